@@ -1,0 +1,60 @@
+// Combine: after every rank has scattered its L2 rows, each token's valid slots are
+// summed in float32 in ascending slot order and rounded once to BF16 (DESIGN.md s.2).
+// One warp per token; each lane owns 8 consecutive columns per 256-column stripe.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "config.cuh"
+#include "dispatch.cuh"
+#include "params.h"
+
+namespace megamoe {
+
+template <class Cfg>
+__device__ void combine_tokens(const KernelParams& p, uint8_t* base) {
+  constexpr int H = Cfg::kHidden, K = Cfg::kTopk;
+  const int64_t* topk_idx = reinterpret_cast<const int64_t*>(base + p.off.topk_idx);
+  const __nv_bfloat16* combine = reinterpret_cast<const __nv_bfloat16*>(base + p.off.combine);
+  __nv_bfloat16* y = reinterpret_cast<__nv_bfloat16*>(p.y);
+  const int lane = threadIdx.x % 32;
+  const int num_warps = gridDim.x * Cfg::kNumWarps;
+  for (int token = blockIdx.x * Cfg::kNumWarps + threadIdx.x / 32; token < p.num_tokens; token += num_warps) {
+    uint32_t valid_mask = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (is_valid_expert(topk_idx[(int64_t)token * K + k], Cfg::kNumExperts)) valid_mask |= 1u << k;
+    for (int col = lane * 8; col < H; col += 256) {
+      float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (!(valid_mask >> k & 1)) continue;
+        const uint4 packed = __ldcg(reinterpret_cast<const uint4*>(combine + ((int64_t)token * K + k) * H + col));
+        const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&packed);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(v[i]);
+          sum[2 * i] += f.x;
+          sum[2 * i + 1] += f.y;
+        }
+      }
+      uint4 out;
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(sum[2 * i], sum[2 * i + 1]);
+      *reinterpret_cast<uint4*>(y + (int64_t)token * H + col) = out;
+    }
+  }
+}
+
+// Zeroes the send-side counters for the next call (peers finished reading them before
+// the last cross-rank barrier).
+template <class Cfg>
+__device__ void reset_send_counters(const KernelParams& p, uint8_t* base) {
+  int* send_count = reinterpret_cast<int*>(base + p.off.send_count);
+  int* send_cursor = reinterpret_cast<int*>(base + p.off.send_cursor);
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < Cfg::kNumExperts; e += gridDim.x * blockDim.x)
+    send_count[e] = 0, send_cursor[e] = 0;
+}
+
+}  // namespace megamoe

@@ -1,0 +1,178 @@
+// Grouped FP8 GEMM machinery shared by L1 (gate/up) and L2 (down):
+//   - TileScheduler: static round-robin of (expert, m-block, n-block) tiles over CTAs,
+//     n-major inside an expert so neighbouring CTAs share the weight tile in L2 cache.
+//   - produce_tiles: the TMA producer (one elected thread of warp 0) fills the stage ring.
+//   - mma_tile: a math warpgroup's main loop, WGMMA m64n128k32 FP8 into a per-k-block
+//     accumulator, promoted into float32 with the activation (per row) and weight (per
+//     128x128 block) scales, as DeepGEMM-style block-scaled FP8 GEMMs do.
+// Barriers: full[s] (1 producer arrival + TMA bytes), empty[s] (one arrival per math warp).
+#pragma once
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cuda/ptx>
+#include <utility>
+
+#include "config.cuh"
+#include "dispatch.cuh"
+#include "params.h"
+#include "sync.cuh"
+
+namespace megamoe {
+
+struct PipelineState {
+  int stage = 0;
+  uint32_t phase = 0;
+  template <int kNumStages>
+  __device__ __forceinline__ void advance() {
+    if (++stage == kNumStages) stage = 0, phase ^= 1;
+  }
+};
+
+struct Tile {
+  int expert;  // local expert
+  int m_block;
+  int n_block;
+};
+
+template <class Cfg>
+struct TileScheduler {
+  const ExpertTables& tables;
+  int num_n_blocks;
+  __device__ int num_tiles() const { return tables.mblk_prefix[Cfg::kNumLocalExperts] * num_n_blocks; }
+  __device__ Tile decode(int tile) const {
+    const int gm = tile / num_n_blocks;  // any m-block of the right expert: find the expert
+    const int el = last_le(tables.mblk_prefix, Cfg::kNumLocalExperts, gm);
+    const int first = tables.mblk_prefix[el] * num_n_blocks;
+    const int num_m = tables.mblk_prefix[el + 1] - tables.mblk_prefix[el];
+    const int local = tile - first;
+    return {el, local % num_m, local / num_m};
+  }
+};
+
+// Shared-memory views of one pipeline stage.
+template <class Cfg>
+struct StageView {
+  uint8_t* stages;
+  __device__ uint8_t* a(int s) const { return stages + s * Cfg::kStageBytes; }
+  __device__ uint8_t* b(int s) const { return a(s) + Cfg::kStageA; }
+};
+
+// TMA producer for one GEMM phase. A rows come from the pool (expert's rows), B rows
+// from the weights (expert's block). The math warps read the A scales themselves.
+template <class Cfg, bool kIsL2>
+__device__ void produce_tiles(const KernelParams& p, const TileScheduler<Cfg>& sched, const StageView<Cfg>& sv,
+                              uint64_t* full, uint64_t* empty, PipelineState& ps) {
+  constexpr int kNumKBlocks = kIsL2 ? Cfg::kL2NumKBlocks : Cfg::kL1NumKBlocks;
+  constexpr int kRowsPerExpert = kIsL2 ? Cfg::kHidden : 2 * Cfg::kInter;
+  constexpr uint32_t kBytes = Cfg::kStageA + Cfg::kStageB;
+  const CUtensorMap* tmap_a = p.tmaps + (kIsL2 ? kTmapAct : kTmapPoolX);
+  const CUtensorMap* tmap_b = p.tmaps + (kIsL2 ? kTmapW2 : kTmapW13);
+  const int num_tiles = sched.num_tiles();
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const Tile t = sched.decode(tile);
+    const int row_a = sched.tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
+    const int row_b = t.expert * kRowsPerExpert + t.n_block * Cfg::kBlockN;
+    for (int kb = 0; kb < kNumKBlocks; ++kb) {
+      mbar_wait(p, &empty[ps.stage], ps.phase ^ 1, kErrPipelineEmptyTimeout);
+      uint64_t* bar = &full[ps.stage];
+      cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared, bar,
+                                           kBytes);
+      const int32_t crd_a[2] = {kb * Cfg::kBlockK, row_a};
+      const int32_t crd_b[2] = {kb * Cfg::kBlockK, row_b};
+      cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, sv.a(ps.stage), tmap_a, crd_a,
+                                      bar);
+      cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, sv.b(ps.stage), tmap_b, crd_b,
+                                      bar);
+      ps.advance<Cfg::kNumStages>();
+    }
+  }
+}
+
+// WGMMA shared-memory descriptor for a K-major tile with 128-byte rows, 128B swizzle:
+// 8-row core groups 1024 bytes apart (SBO), leading offset unused for swizzled K-major.
+__device__ __forceinline__ uint64_t make_smem_desc(const void* smem) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  uint64_t desc = 0;
+  desc |= (uint64_t)((addr & 0x3FFFF) >> 4);
+  desc |= (uint64_t)1 << 16;            // leading byte offset (ignored)
+  desc |= (uint64_t)(1024 >> 4) << 32;  // stride byte offset
+  desc |= (uint64_t)1 << 62;            // SWIZZLE_128B
+  return desc;
+}
+
+using WgmmaOp = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+
+template <int... I>
+__device__ __forceinline__ void wgmma_call(uint64_t da, uint64_t db, float* d, bool accumulate,
+                                           std::integer_sequence<int, I...>) {
+  WgmmaOp::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+__device__ __forceinline__ void fence_operands(float* d) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Accumulator fragment of m64n128 (per thread): d[4c + {0,1}] = row r0, columns 8c + 2q + {0,1};
+// d[4c + {2,3}] = row r0 + 8; r0 = 16 * warp_in_wg + lane / 4, q = lane % 4.
+struct FragCoord {
+  int r0;  // first row within the 64-row tile
+  int q;   // lane % 4
+  __device__ static FragCoord of(int thread_in_wg) {
+    return {(thread_in_wg / 32) * 16 + (thread_in_wg % 32) / 4, thread_in_wg % 4};
+  }
+};
+
+// One math warpgroup's main loop over a tile: acc = sum_kb sa[row] * sb(col, kb) * (A_kb @ B_kb^T).
+// `sfa` points at the tile's first row in an MN-major scale pool ([k-block][pool row]).
+// `weight_scales(kb)` gives the weight block scales at k-block kb: .x for even 8-column
+// chunks, .y for odd ones (L1: gate and up rows of the interleaved block; L2: equal).
+template <class Cfg, int kNumKBlocks, class WeightScales>
+__device__ __forceinline__ void mma_tile(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
+                                         uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
+                                         const float* sfa, float* acc, WeightScales weight_scales) {
+  float part[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int kb = 0; kb < kNumKBlocks; ++kb) {
+    // Scale loads issued before the barrier wait hide their latency.
+    const float2 sb = weight_scales(kb);
+    const float sa0 = __ldcg(sfa + (int64_t)kb * p.pool_capacity + fc.r0);
+    const float sa1 = __ldcg(sfa + (int64_t)kb * p.pool_capacity + fc.r0 + 8);
+    mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
+    const uint64_t desc_a = make_smem_desc(sv.a(ps.stage));
+    const uint64_t desc_b = make_smem_desc(sv.b(ps.stage) + wg * Cfg::kWgN * Cfg::kBlockK);
+    // FP8 WGMMA accumulates with reduced precision inside the tensor core, so each
+    // kPromoteK slice gets a fresh accumulator that is promoted into float32 here.
+#pragma unroll
+    for (int slice = 0; slice < Cfg::kBlockK / Cfg::kPromoteK; ++slice) {
+      fence_operands(part);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int k = 0; k < Cfg::kPromoteK / 32; ++k) {
+        // +32 bytes along K inside the 128B swizzle atom is +2 in the 16-byte address field.
+        const int k32 = slice * (Cfg::kPromoteK / 32) + k;
+        wgmma_call(desc_a + 2 * k32, desc_b + 2 * k32, part, k > 0, std::make_integer_sequence<int, 64>{});
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_operands(part);
+      if (slice == Cfg::kBlockK / Cfg::kPromoteK - 1) {
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) cuda::ptx::mbarrier_arrive(&empty[ps.stage]);
+      }
+#pragma unroll
+      for (int c = 0; c < 16; ++c) {
+        const float s = (c % 2 == 0) ? sb.x : sb.y;
+        acc[4 * c + 0] += part[4 * c + 0] * (sa0 * s);
+        acc[4 * c + 1] += part[4 * c + 1] * (sa0 * s);
+        acc[4 * c + 2] += part[4 * c + 2] * (sa1 * s);
+        acc[4 * c + 3] += part[4 * c + 3] * (sa1 * s);
+      }
+    }
+    ps.advance<Cfg::kNumStages>();
+  }
+}
+
+}  // namespace megamoe

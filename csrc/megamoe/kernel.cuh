@@ -1,0 +1,151 @@
+// The fused SM90 MegaMoE kernel: one persistent CTA per SM, 384 threads.
+//
+// Roles (warp -> role):
+//   warps 0-3  (warpgroup 0)  dispatch / combine worker; warp 0's elected lane is the
+//                             TMA producer during the GEMM phases
+//   warps 4-7  (warpgroup 1)  math: WGMMA columns [0, 128) of each 256-column tile, epilogues
+//   warps 8-11 (warpgroup 2)  math: columns [128, 256)
+//   All warps take part in dispatch, pull and combine.
+//
+// Phases of one call (barrier between each; every wait bounded, see sync.cuh):
+//   1 count     this rank's entries per expert                       -> grid_sync
+//   2 list      send list grouped by expert                          -> rank_sync
+//   3 layout    read peers' counts for local experts, pool layout (per CTA, smem)
+//   4 pull      copy routed tokens from their ranks into the L1 pool -> grid_sync
+//   5 L1        gate/up GEMM, SwiGLU x weight, FP8 requant -> act    -> grid_sync
+//   6 L2        down GEMM, BF16 rows scattered to the token's rank   -> rank_sync
+//   7 combine   sum each token's slots into y; reset send counters
+// This first version separates the phases by barriers; overlapping them (arrival
+// counters, L2 trailing L1) is the performance issue's work.
+//
+// Named barriers: 0 = __syncthreads, 1 = math warpgroups' amax exchange.
+// mbarriers: full[s] / empty[s] per pipeline stage (gemm.cuh).
+#pragma once
+
+#include <cuda/ptx>
+
+#include "combine.cuh"
+#include "config.cuh"
+#include "dispatch.cuh"
+#include "epilogue.cuh"
+#include "gemm.cuh"
+#include "params.h"
+#include "sync.cuh"
+
+namespace megamoe {
+
+template <class Cfg>
+__device__ __forceinline__ void fence_generic_to_async() {
+  cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
+}
+
+template <class Cfg, bool kIsL2>
+__device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
+                                           const StageView<Cfg>& sv, uint64_t* full, uint64_t* empty,
+                                           PipelineState& ps, float* amax_exchange, int& parity) {
+  const TileScheduler<Cfg> sched{tables, kIsL2 ? Cfg::kL2NumNBlocks : Cfg::kL1NumNBlocks};
+  const int wg = (threadIdx.x - 128) / 128;
+  const FragCoord fc = FragCoord::of(threadIdx.x % 128);
+  float acc[64];
+  const int num_tiles = sched.num_tiles();
+  const float* sf_pool = reinterpret_cast<const float*>(base + (kIsL2 ? p.off.act_sf : p.off.pool_sf));
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const Tile t = sched.decode(tile);
+    const float* sfa = sf_pool + tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
+    if constexpr (kIsL2) {
+      // w2_scale [E_l, H/128, I/128]; a column block past H (odd H/128) reads no scale.
+      const int nb128 = t.n_block * 2 + wg;
+      const float* sb = p.w2_scale + ((int64_t)t.expert * (Cfg::kHidden / 128) + nb128) * Cfg::kL2NumKBlocks;
+      const bool in_range = nb128 < Cfg::kHidden / 128;
+      mma_tile<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, [&](int kb) {
+        const float s = in_range ? __ldg(sb + kb) : 0.f;
+        return make_float2(s, s);
+      });
+      l2_epilogue<Cfg>(p, base, tables, t, wg, fc, acc);
+    } else {
+      // w13_scale [E_l, I/128, 2 (gate, up), H/128]: the tile's n-block is the requant group.
+      const float* sb = p.w13_scale + ((int64_t)t.expert * (Cfg::kInter / 128) + t.n_block) * 2 * Cfg::kL1NumKBlocks;
+      mma_tile<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, [&](int kb) {
+        return make_float2(__ldg(sb + kb), __ldg(sb + Cfg::kL1NumKBlocks + kb));
+      });
+      l1_epilogue<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
+      parity ^= 1;
+    }
+  }
+}
+
+// The kernel body; the JIT-generated translation unit wraps it in an extern "C"
+// __global__ entry with __launch_bounds__(Cfg::kNumThreads, 1) (see jit.py).
+template <class Cfg>
+__device__ __forceinline__ void mega_moe(const KernelParams& p) {
+  // 128B-swizzled TMA tiles need 1024-byte alignment; the launch adds 1 KiB of slack.
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kSmemBarriers);
+  uint64_t* empty = full + Cfg::kNumStages;
+  float* amax_exchange = reinterpret_cast<float*>(smem + Cfg::kSmemAmax);
+  int* table_base = reinterpret_cast<int*>(smem + Cfg::kSmemTables);
+  const ExpertTables tables{table_base, table_base + Cfg::kNumLocalExperts, table_base + 2 * Cfg::kNumLocalExperts};
+  const StageView<Cfg> sv{smem + Cfg::kSmemStages};
+  int* scratch = reinterpret_cast<int*>(sv.stages);  // dispatch phases only
+
+  uint8_t* base = p.peer_base[p.rank];
+  int* signals = reinterpret_cast<int*>(base + p.off.signals);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Cfg::kNumStages; ++s) {
+      cuda::ptx::mbarrier_init(&full[s], 1);
+      cuda::ptx::mbarrier_init(&empty[s], Cfg::kNumMathThreads / 32);
+    }
+    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+  }
+
+  // 1-2: send side.
+  dispatch_count<Cfg>(p, base);
+  grid_sync(p, signals);
+  dispatch_list<Cfg>(p, base, scratch);
+  __threadfence_system();
+  rank_sync<Cfg::kNumRanks>(p, signals);
+  if (p.stop_after_phase == 2) return;
+
+  // 3-4: receive side.
+  {
+    constexpr int kPairs = Cfg::kNumLocalExperts * Cfg::kNumRanks;
+    int* src_count = scratch;
+    int* src_offset = scratch + kPairs;
+    int* scan_scratch = scratch + 2 * kPairs;
+    dispatch_layout<Cfg>(p, tables, src_count, src_offset, scan_scratch);
+    dispatch_pull<Cfg>(p, base, tables, src_count, src_offset);
+  }
+  fence_generic_to_async<Cfg>();
+  grid_sync(p, signals);  // also frees the scratch for the pipeline stages
+  if (p.stop_after_phase == 4) return;
+
+  // 5-6: GEMMs. Producer and math warpgroups walk the same tile sequence, so one
+  // pipeline state per role carries over from L1 to L2.
+  PipelineState ps;
+  int parity = 0;
+  const bool is_producer = threadIdx.x < 32 && cute::elect_one_sync();
+  if (is_producer) {
+    produce_tiles<Cfg, false>(p, TileScheduler<Cfg>{tables, Cfg::kL1NumNBlocks}, sv, full, empty, ps);
+  } else if (threadIdx.x >= 128) {
+    math_phase<Cfg, false>(p, base, tables, sv, full, empty, ps, amax_exchange, parity);
+  }
+  fence_generic_to_async<Cfg>();
+  grid_sync(p, signals);
+  if (p.stop_after_phase == 5) return;
+  if (is_producer) {
+    produce_tiles<Cfg, true>(p, TileScheduler<Cfg>{tables, Cfg::kL2NumNBlocks}, sv, full, empty, ps);
+  } else if (threadIdx.x >= 128) {
+    math_phase<Cfg, true>(p, base, tables, sv, full, empty, ps, amax_exchange, parity);
+  }
+  __threadfence_system();
+  rank_sync<Cfg::kNumRanks>(p, signals);
+  if (p.stop_after_phase == 6) return;
+
+  // 7: combine, and leave the workspace ready for the next call.
+  combine_tokens<Cfg>(p, base);
+  reset_send_counters<Cfg>(p, base);
+}
+
+}  // namespace megamoe

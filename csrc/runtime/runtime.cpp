@@ -1,0 +1,233 @@
+// Host runtime: loads JIT-compiled kernels, builds the kernel parameters (TMA
+// descriptors over the symmetric buffer and the weights) once, and launches.
+//
+// Deliberately independent of PyTorch's C++ ABI: it takes device pointers, sizes and
+// a CUDA stream handle as integers, and loads the CUDA driver with dlopen at run time,
+// so one build serves every torch version and imports on machines with no GPU.
+// Plain C++ only (no regex/locale/iostream state): the module shares its process with
+// torch, NCCL, triton and vLLM's extensions.
+#include <cuda.h>
+#include <dlfcn.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "megamoe/params.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// ---------------------------------------------------------------- driver API
+struct Driver {
+  decltype(&::cuGetErrorString) GetErrorString;
+  decltype(&::cuModuleLoad) ModuleLoad;
+  decltype(&::cuModuleGetFunction) ModuleGetFunction;
+  decltype(&::cuFuncSetAttribute) FuncSetAttribute;
+  decltype(&::cuLaunchKernel) LaunchKernel;
+  decltype(&::cuTensorMapEncodeTiled) TensorMapEncodeTiled;
+  decltype(&::cuMemHostAlloc) MemHostAlloc;
+  decltype(&::cuMemHostGetDevicePointer) MemHostGetDevicePointer;
+  decltype(&::cuCtxGetCurrent) CtxGetCurrent;
+  decltype(&::cuMemAlloc) MemAlloc;
+  decltype(&::cuMemcpyHtoD) MemcpyHtoD;
+};
+
+Driver& driver() {
+  static Driver d = [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) throw std::runtime_error("megamoe: cannot load libcuda.so.1 (no NVIDIA driver on this machine)");
+    auto sym = [lib](const char* name) {
+      void* f = dlsym(lib, name);
+      if (f == nullptr) throw std::runtime_error(std::string("megamoe: driver lacks ") + name);
+      return f;
+    };
+    Driver r;
+    r.GetErrorString = reinterpret_cast<decltype(r.GetErrorString)>(sym("cuGetErrorString"));
+    r.ModuleLoad = reinterpret_cast<decltype(r.ModuleLoad)>(sym("cuModuleLoad"));
+    r.ModuleGetFunction = reinterpret_cast<decltype(r.ModuleGetFunction)>(sym("cuModuleGetFunction"));
+    r.FuncSetAttribute = reinterpret_cast<decltype(r.FuncSetAttribute)>(sym("cuFuncSetAttribute"));
+    r.LaunchKernel = reinterpret_cast<decltype(r.LaunchKernel)>(sym("cuLaunchKernel"));
+    r.TensorMapEncodeTiled = reinterpret_cast<decltype(r.TensorMapEncodeTiled)>(sym("cuTensorMapEncodeTiled"));
+    r.MemHostAlloc = reinterpret_cast<decltype(r.MemHostAlloc)>(sym("cuMemHostAlloc"));
+    r.MemHostGetDevicePointer =
+        reinterpret_cast<decltype(r.MemHostGetDevicePointer)>(sym("cuMemHostGetDevicePointer_v2"));
+    r.CtxGetCurrent = reinterpret_cast<decltype(r.CtxGetCurrent)>(sym("cuCtxGetCurrent"));
+    r.MemAlloc = reinterpret_cast<decltype(r.MemAlloc)>(sym("cuMemAlloc_v2"));
+    r.MemcpyHtoD = reinterpret_cast<decltype(r.MemcpyHtoD)>(sym("cuMemcpyHtoD_v2"));
+    return r;
+  }();
+  return d;
+}
+
+void check(CUresult res, const char* what) {
+  if (res == CUDA_SUCCESS) return;
+  const char* msg = nullptr;
+  driver().GetErrorString(res, &msg);
+  throw std::runtime_error(std::string("megamoe: ") + what + " failed: " + (msg ? msg : "unknown CUDA error"));
+}
+
+// ---------------------------------------------------------------- error word
+// One host-mapped word per process: the kernel writes the first failure's code there
+// before trapping, so the host can name the failed wait even after the context died.
+struct ErrorWord {
+  uint32_t* host = nullptr;
+  uint32_t* device = nullptr;
+};
+
+ErrorWord& error_word() {
+  static ErrorWord w = [] {
+    ErrorWord r;
+    void* host = nullptr;
+    check(driver().MemHostAlloc(&host, sizeof(uint32_t), CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE),
+          "cuMemHostAlloc(error word)");
+    r.host = static_cast<uint32_t*>(host);
+    *r.host = 0;
+    CUdeviceptr dev = 0;
+    check(driver().MemHostGetDevicePointer(&dev, host, 0), "cuMemHostGetDevicePointer(error word)");
+    r.device = reinterpret_cast<uint32_t*>(dev);
+    return r;
+  }();
+  return w;
+}
+
+// ---------------------------------------------------------------- kernels
+struct Kernel {
+  CUfunction function;
+  int smem_bytes;
+};
+
+std::mutex g_mutex;
+std::map<std::string, CUmodule> g_modules;        // cubin path -> module (per current context)
+std::vector<std::unique_ptr<Kernel>> g_kernels;   // handles given to Python
+std::vector<std::unique_ptr<megamoe::KernelParams>> g_params;
+
+int load_kernel(const std::string& cubin_path, const std::string& name, int smem_bytes) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  CUcontext ctx = nullptr;
+  check(driver().CtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (ctx == nullptr) throw std::runtime_error("megamoe: no current CUDA context (initialize torch.cuda first)");
+  const std::string key = cubin_path + "@" + std::to_string(reinterpret_cast<uintptr_t>(ctx));
+  auto it = g_modules.find(key);
+  if (it == g_modules.end()) {
+    CUmodule module = nullptr;
+    check(driver().ModuleLoad(&module, cubin_path.c_str()), ("cuModuleLoad(" + cubin_path + ")").c_str());
+    it = g_modules.emplace(key, module).first;
+  }
+  auto k = std::make_unique<Kernel>();
+  check(driver().ModuleGetFunction(&k->function, it->second, name.c_str()), "cuModuleGetFunction");
+  check(driver().FuncSetAttribute(k->function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
+        "cuFuncSetAttribute(max dynamic shared memory)");
+  k->smem_bytes = smem_bytes;
+  g_kernels.push_back(std::move(k));
+  return static_cast<int>(g_kernels.size()) - 1;
+}
+
+// A 2-D tiled TMA descriptor over a row-major [rows, cols] matrix.
+CUtensorMap make_tmap_2d(uint64_t ptr, CUtensorMapDataType dtype, int elem_bytes, uint64_t rows, uint64_t cols,
+                         uint32_t box_cols, uint32_t box_rows, bool swizzle_128b, const char* what) {
+  CUtensorMap map;
+  std::memset(&map, 0, sizeof(map));
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {cols * elem_bytes};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  check(driver().TensorMapEncodeTiled(&map, dtype, 2, reinterpret_cast<void*>(ptr), dims, strides, box, elem_strides,
+                                      CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                      swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+        what);
+  return map;
+}
+
+// Builds everything a call needs that does not change per call. Returns a handle.
+int make_params(const std::vector<uint64_t>& peer_ptrs, int rank, const std::map<std::string, int64_t>& offsets,
+                int pool_capacity, int hidden, int inter, int num_local_experts, int block_m, uint64_t w13,
+                uint64_t w13_scale, uint64_t w2, uint64_t w2_scale, double timeout_s) {
+  if (peer_ptrs.empty() || peer_ptrs.size() > megamoe::kMaxRanks)
+    throw std::invalid_argument("megamoe: peer_ptrs must hold 1..8 buffer addresses");
+  if (rank < 0 || rank >= static_cast<int>(peer_ptrs.size())) throw std::invalid_argument("megamoe: bad rank");
+  auto p = std::make_unique<megamoe::KernelParams>();
+  std::memset(p.get(), 0, sizeof(*p));
+  auto off = [&](const char* name) {
+    auto it = offsets.find(name);
+    if (it == offsets.end()) throw std::invalid_argument(std::string("megamoe: buffer offset missing: ") + name);
+    return it->second;
+  };
+  p->off = {off("x"),         off("x_sf"),        off("topk_idx"),  off("topk_weights"), off("send_count"),
+            off("send_cursor"), off("send_offset"), off("send_list"), off("signals"),      off("pool_x"),
+            off("pool_sf"),   off("pool_weight"), off("pool_src"),  off("act"),          off("act_sf"),
+            off("combine")};
+  for (size_t r = 0; r < peer_ptrs.size(); ++r) p->peer_base[r] = reinterpret_cast<uint8_t*>(peer_ptrs[r]);
+  const uint64_t base = peer_ptrs[rank];
+  const uint64_t P = pool_capacity, H = hidden, I = inter, EL = num_local_experts;
+  const auto FP8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  CUtensorMap maps[megamoe::kNumTmaps];
+  maps[megamoe::kTmapPoolX] = make_tmap_2d(base + p->off.pool_x, FP8, 1, P, H, 128, block_m, true, "TMA pool_x");
+  maps[megamoe::kTmapW13] = make_tmap_2d(w13, FP8, 1, EL * 2 * I, H, 128, 256, true, "TMA w13");
+  maps[megamoe::kTmapAct] = make_tmap_2d(base + p->off.act, FP8, 1, P, I, 128, block_m, true, "TMA act");
+  maps[megamoe::kTmapW2] = make_tmap_2d(w2, FP8, 1, EL * H, I, 128, 256, true, "TMA w2");
+  // Device memory, written once here before any launch that reads it (never modified
+  // on the device, so no tensormap proxy fence is needed). Lives as long as the process.
+  CUdeviceptr dev_maps = 0;
+  check(driver().MemAlloc(&dev_maps, sizeof(maps)), "cuMemAlloc(TMA descriptors)");
+  check(driver().MemcpyHtoD(dev_maps, maps, sizeof(maps)), "cuMemcpyHtoD(TMA descriptors)");
+  p->tmaps = reinterpret_cast<const CUtensorMap*>(dev_maps);
+  p->w13_scale = reinterpret_cast<const float*>(w13_scale);
+  p->w2_scale = reinterpret_cast<const float*>(w2_scale);
+  p->rank = rank;
+  p->pool_capacity = pool_capacity;
+  p->host_error = error_word().device;
+  p->timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  p->activation_clamp = __builtin_inff();
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_params.push_back(std::move(p));
+  return static_cast<int>(g_params.size()) - 1;
+}
+
+// One launch on `stream`. No allocation, no synchronization: safe to capture in a CUDA graph.
+void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_stats, double activation_clamp,
+            int num_ctas, int num_threads, uint64_t stream, int stop_after_phase) {
+  if (kernel < 0 || kernel >= static_cast<int>(g_kernels.size())) throw std::invalid_argument("megamoe: bad kernel handle");
+  if (params < 0 || params >= static_cast<int>(g_params.size())) throw std::invalid_argument("megamoe: bad params handle");
+  const uint32_t err = *error_word().host;
+  if (err != megamoe::kErrNone)
+    throw std::runtime_error("megamoe: an earlier kernel failed (error code " + std::to_string(err) +
+                             "); the CUDA context is unusable");
+  megamoe::KernelParams p = *g_params[params];
+  p.y = reinterpret_cast<void*>(y);
+  p.num_tokens = num_tokens;
+  p.recv_stats = reinterpret_cast<int*>(recv_stats);
+  p.activation_clamp = static_cast<float>(activation_clamp);
+  p.stop_after_phase = stop_after_phase;
+  void* args[] = {&p};
+  const Kernel& k = *g_kernels[kernel];
+  check(driver().LaunchKernel(k.function, num_ctas, 1, 1, num_threads, 1, 1, k.smem_bytes,
+                              reinterpret_cast<CUstream>(stream), args, nullptr),
+        "cuLaunchKernel(megamoe)");
+}
+
+uint32_t read_error_word() { return *error_word().host; }
+
+}  // namespace
+
+PYBIND11_MODULE(_runtime, m) {
+  m.doc() = "megamoe host runtime (torch-independent; loads libcuda at run time)";
+  m.def("load_kernel", &load_kernel, py::arg("cubin_path"), py::arg("name"), py::arg("smem_bytes"));
+  m.def("make_params", &make_params, py::arg("peer_ptrs"), py::arg("rank"), py::arg("offsets"),
+        py::arg("pool_capacity"), py::arg("hidden"), py::arg("intermediate_size"), py::arg("num_local_experts"),
+        py::arg("block_m"), py::arg("w13"), py::arg("w13_scale"), py::arg("w2"), py::arg("w2_scale"),
+        py::arg("timeout_s"));
+  m.def("launch", &launch, py::arg("kernel"), py::arg("params"), py::arg("y"), py::arg("num_tokens"),
+        py::arg("recv_stats"), py::arg("activation_clamp"), py::arg("num_ctas"), py::arg("num_threads"),
+        py::arg("stream"), py::arg("stop_after_phase") = 0);
+  m.def("read_error_word", &read_error_word);
+  m.attr("kParamsBytes") = sizeof(megamoe::KernelParams);
+}

@@ -1,0 +1,24 @@
+"""megamoe_plugin: a fused expert-parallel FP8 MoE ("MegaMoE") for NVIDIA Hopper.
+
+Public API (DESIGN.md section 3):
+    get_symm_buffer, get_symm_buffer_size, transform_weights, fp8_mega_moe, stage_inputs,
+    reference.mega_moe
+Importing the package needs neither a GPU, nor nvcc, nor vllm.
+"""
+from . import reference
+from .buffer import SymmBuffer, get_symm_buffer, get_symm_buffer_size
+from .ops import fp8_mega_moe
+from .staging import stage_inputs
+from .weights import transform_weights, untransform_weights
+
+__all__ = [
+    "SymmBuffer",
+    "fp8_mega_moe",
+    "get_symm_buffer",
+    "get_symm_buffer_size",
+    "reference",
+    "stage_inputs",
+    "transform_weights",
+    "untransform_weights",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,228 @@
+"""The symmetric buffer: one per (process group, shape), shared by every MoE layer of
+that shape.
+
+Its byte layout is defined here and only here; the host runtime receives the region
+offsets from `BufferLayout` and passes them to the kernel, so the kernel and Python
+never disagree about where anything lives.
+
+Per rank, in order (every region 256-byte aligned):
+  inputs      x [N, H] fp8, x_sf [N, H/128] f32, topk_idx [N, K] i64, topk_weights [N, K] f32
+              (filled by the caller for the first n tokens; peers read them over NVLink)
+  send side   send_count / send_cursor / send_offset [E] i32, send_list [N*K] i32:
+              this rank's (token, slot) entries grouped by global expert, which the
+              expert's owner pulls. Counts and cursors are zeroed by the kernel at exit.
+  signals     grid barrier, cross-rank barrier counter, call epoch (u32 each)
+  L1 pool     pool_x [P, H] fp8, pool_sf [H/128, P] f32 (MN-major for TMA),
+              pool_weight [P] f32, pool_src [P, 2] i32 (source rank, token*K + slot)
+  L2 pool     act [P, I] fp8, act_sf [I/128, P] f32
+  combine     combine [N, K, H] bf16: expert outputs scattered here by whichever rank
+              computed them, summed over k by the owner of the token.
+P (pool rows) bounds every routing: all R*N*K entries plus per-expert padding to
+POOL_ALIGN_M rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+import torch
+
+# Every expert's rows start on a multiple of this in the pools; no BLOCK_M tier exceeds it.
+POOL_ALIGN_M = 128
+_REGION_ALIGN = 256
+NUM_SIGNAL_WORDS = 64
+# Section 2 limits of DESIGN.md.
+MAX_TOPK = 16
+MAX_LOCAL_EXPERTS = 512
+SUPPORTED_NUM_RANKS = (1, 2, 4, 8)
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferShape:
+    num_ranks: int
+    num_experts: int
+    num_max_tokens_per_rank: int
+    num_topk: int
+    hidden: int
+    intermediate_size: int
+
+    def __post_init__(self):
+        def need(cond, name, what):
+            if not cond:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: expected {what}")
+
+        for name in ("num_ranks", "num_experts", "num_max_tokens_per_rank", "num_topk", "hidden", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        need(self.num_ranks in SUPPORTED_NUM_RANKS, "num_ranks", f"one of {SUPPORTED_NUM_RANKS}")
+        need(self.num_experts > 0 and self.num_experts % self.num_ranks == 0, "num_experts",
+             f"a positive multiple of num_ranks={self.num_ranks}")
+        need(self.num_experts // self.num_ranks <= MAX_LOCAL_EXPERTS, "num_experts",
+             f"at most {MAX_LOCAL_EXPERTS} experts per rank (num_experts / num_ranks)")
+        need(self.num_max_tokens_per_rank > 0, "num_max_tokens_per_rank", "> 0")
+        need(1 <= self.num_topk <= MAX_TOPK, "num_topk", f"in [1, {MAX_TOPK}]")
+        need(self.num_topk <= self.num_experts, "num_topk", f"<= num_experts={self.num_experts}")
+        need(self.hidden > 0 and self.hidden % 128 == 0, "hidden", "a positive multiple of 128")
+        need(self.intermediate_size > 0 and self.intermediate_size % 128 == 0, "intermediate_size",
+             "a positive multiple of 128")
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def num_max_recv_entries(self) -> int:
+        """Most (token, slot) entries one rank can receive: every slot of every rank."""
+        return self.num_ranks * self.num_max_tokens_per_rank * self.num_topk
+
+    @property
+    def pool_capacity(self) -> int:
+        entries = self.num_max_recv_entries
+        padded = entries + min(self.num_local_experts, entries) * (POOL_ALIGN_M - 1)
+        return _round_up(padded, POOL_ALIGN_M)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    offset: int
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+class BufferLayout:
+    """Byte offsets of every region of one rank's symmetric buffer."""
+
+    def __init__(self, shape: BufferShape):
+        self.shape = shape
+        n, k, h, i = shape.num_max_tokens_per_rank, shape.num_topk, shape.hidden, shape.intermediate_size
+        e, p = shape.num_experts, shape.pool_capacity
+        specs = [
+            ("x", (n, h), torch.float8_e4m3fn),
+            ("x_sf", (n, h // 128), torch.float32),
+            ("topk_idx", (n, k), torch.int64),
+            ("topk_weights", (n, k), torch.float32),
+            ("send_count", (e,), torch.int32),
+            ("send_cursor", (e,), torch.int32),
+            ("send_offset", (e,), torch.int32),
+            ("send_list", (n * k,), torch.int32),
+            ("signals", (NUM_SIGNAL_WORDS,), torch.int32),
+            ("pool_x", (p, h), torch.float8_e4m3fn),
+            ("pool_sf", (h // 128, p), torch.float32),
+            ("pool_weight", (p,), torch.float32),
+            ("pool_src", (p, 2), torch.int32),
+            ("act", (p, i), torch.float8_e4m3fn),
+            ("act_sf", (i // 128, p), torch.float32),
+            ("combine", (n, k, h), torch.bfloat16),
+        ]
+        self.regions: Dict[str, Region] = {}
+        offset = 0
+        for name, dims, dtype in specs:
+            region = Region(offset, dims, dtype)
+            self.regions[name] = region
+            offset = _round_up(offset + region.nbytes, _REGION_ALIGN)
+        self.total_bytes = offset
+
+    def offsets(self) -> Dict[str, int]:
+        return {name: r.offset for name, r in self.regions.items()}
+
+
+def get_symm_buffer_size(num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_topk: int,
+                         hidden: int, intermediate_size: int) -> int:
+    """Bytes of symmetric memory each rank allocates for this shape."""
+    shape = BufferShape(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size)
+    return BufferLayout(shape).total_bytes
+
+
+class SymmBuffer:
+    """One rank's symmetric buffer plus the peers' addresses of theirs.
+
+    `x`, `x_sf`, `topk_idx`, `topk_weights` are views the caller fills for the first n
+    tokens before `fp8_mega_moe` (or lets `stage_inputs` fill them).
+    """
+
+    def __init__(self, shape: BufferShape, storage: torch.Tensor, rank: int, peer_ptrs: Tuple[int, ...],
+                 group=None, symm_handle=None):
+        self.shape = shape
+        self.layout = BufferLayout(shape)
+        self.storage = storage
+        self.rank = rank
+        self.peer_ptrs = tuple(int(p) for p in peer_ptrs)
+        self.group = group
+        self._symm_handle = symm_handle  # keeps the symmetric allocation's handle alive
+        for name in ("x", "x_sf", "topk_idx", "topk_weights"):
+            setattr(self, name, self.view(name))
+
+    def view(self, name: str) -> torch.Tensor:
+        region = self.layout.regions[name]
+        raw = self.storage[region.offset: region.offset + region.nbytes]
+        return raw.view(region.dtype).view(region.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    # Shape accessors, named as in the public API.
+    num_ranks = property(lambda self: self.shape.num_ranks)
+    num_experts = property(lambda self: self.shape.num_experts)
+    num_local_experts = property(lambda self: self.shape.num_local_experts)
+    num_max_tokens_per_rank = property(lambda self: self.shape.num_max_tokens_per_rank)
+    num_topk = property(lambda self: self.shape.num_topk)
+    hidden = property(lambda self: self.shape.hidden)
+    intermediate_size = property(lambda self: self.shape.intermediate_size)
+
+    def __repr__(self) -> str:
+        s = self.shape
+        return (f"SymmBuffer(rank={self.rank}/{s.num_ranks}, experts={s.num_experts}, "
+                f"max_tokens={s.num_max_tokens_per_rank}, topk={s.num_topk}, hidden={s.hidden}, "
+                f"intermediate={s.intermediate_size}, bytes={self.layout.total_bytes}, device={self.device})")
+
+
+def get_symm_buffer(group, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
+                    intermediate_size: int, device: Optional[torch.device] = None) -> SymmBuffer:
+    """Allocate (collectively, when `group` is given) the symmetric buffer for this shape.
+
+    group: a torch.distributed ProcessGroup whose ranks share NVLink, or None for one GPU.
+    device: where the buffer lives; defaults to the current CUDA device. A CPU buffer is
+    accepted for staging tests only: `fp8_mega_moe` refuses it.
+    """
+    if group is None:
+        num_ranks, rank = 1, 0
+    else:
+        import torch.distributed as dist
+
+        num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    shape = BufferShape(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size)
+    layout = BufferLayout(shape)
+    if device is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("get_symm_buffer: no CUDA device is available; pass device='cpu' "
+                               "only for staging tests (the kernel needs an SM90 GPU)")
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+
+    if group is None:
+        storage = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
+        return SymmBuffer(shape, storage, 0, (storage.data_ptr(),))
+
+    if device.type != "cuda":
+        raise ValueError(f"get_symm_buffer: a multi-rank buffer must live on a CUDA device, got {device}")
+    import torch.distributed._symmetric_memory as symm_mem
+
+    storage = symm_mem.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(storage, group)
+    storage.zero_()
+    handle.barrier()
+    peer_ptrs = tuple(int(p) for p in handle.buffer_ptrs)
+    return SymmBuffer(shape, storage, rank, peer_ptrs, group=group, symm_handle=handle)

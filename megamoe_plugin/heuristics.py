@@ -1,0 +1,232 @@
+"""Built-in launch heuristics for the fused MoE kernel: tile tier, pipeline depth, grid.
+
+These functions decide a `KernelConfig` when no tuned table entry exists
+(`configs.lookup_config` falls back to `default_config`) and generate the shipped
+tables, so a table built from them reproduces exactly what a run without a table
+would do. They are plain Python (no torch), so the op layer, the JIT cache key and
+the table tooling can use them anywhere.
+
+The shared-memory model mirrors the kernel (DESIGN.md section 4): one persistent CTA
+per SM with a TMA pipeline whose stage holds an A tile (BLOCK_M x BLOCK_K fp8), a B
+tile (BLOCK_N x BLOCK_K fp8), BLOCK_M float32 activation scales and the stage's
+full/empty mbarriers, each stage padded to 1024 bytes (the 128-byte TMA swizzle
+needs 1024-byte aligned tiles). If the kernel's layout changes, `smem_bytes` must
+change with it, or configs that do not fit will be launched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+# Tile shape fixed by the kernel: two math warpgroups each take 128 of the BLOCK_N
+# columns; BLOCK_K is the 128-wide FP8 scale block of both activations and weights.
+BLOCK_N = 256
+BLOCK_K = 128
+# Every BLOCK_M tier the kernel design has, and the ones the kernel implements today.
+# The kernel issue that adds a tier extends SUPPORTED_BLOCK_M; nothing else changes.
+BLOCK_M_TIERS = (32, 64, 128)
+SUPPORTED_BLOCK_M = (64,)
+# (largest expected tokens per expert, preferred tier); above the last bound the largest tier.
+_TIER_UPPER_BOUNDS = ((16.0, 32), (64.0, 64))
+
+# Opt-in dynamic shared memory per block on SM90 (227 KiB).
+SMEM_LIMIT = 232448
+STAGE_ALIGN = 1024
+_FP8_BYTES = 1
+_F32_BYTES = 4
+_I32_BYTES = 4
+# The kernel's per-local-expert tables: two int32 words per local expert.
+_EXPERT_TABLE_WORDS = 3  # exp_start, exp_count, m-block prefix
+_BARRIER_SCRATCH_BYTES = 1024
+_BASE_ALIGN_BYTES = 1024
+
+# Two stages are the least that overlap a TMA load with the MMA on the previous one.
+MIN_STAGES = 2
+# Beyond this many stages the loads already in flight cover the memory latency.
+MAX_STAGES = 8
+
+
+def expected_tokens_per_expert(num_tokens: int, num_ranks: int, num_topk: int, num_experts: int) -> float:
+    """Mean rows one expert receives: num_tokens * num_ranks * num_topk / num_experts.
+
+    num_tokens is the per-rank token count. Every rank sends num_tokens * num_topk
+    (token, slot) pairs spread over num_experts experts, so with balanced routing each
+    expert, wherever it lives, receives this many rows. It is the GEMM M dimension per
+    expert and hence what the tile tier and the table entries are keyed by.
+    """
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    for name, value in (("num_ranks", num_ranks), ("num_topk", num_topk), ("num_experts", num_experts)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    return num_tokens * num_ranks * num_topk / num_experts
+
+
+def select_block_m(expected_tokens: float, supported: Optional[Sequence[int]] = None) -> int:
+    """BLOCK_M tier for an expert that receives `expected_tokens` rows on average.
+
+    Decode sends a handful of rows per expert: a 128-row tile would be mostly padding,
+    wasting MMA work and A-tile bandwidth, so small tiles win there; prefill sends
+    hundreds of rows and large tiles halve the B (weight) reloads per row. Preferred
+    tier: 32 up to 16 rows, 64 up to 64 rows, 128 above. When the preferred tier is
+    not implemented (`supported`, default SUPPORTED_BLOCK_M) the nearest implemented
+    one in log2 distance is used, the larger on a tie (fewer tiles, and the kernel
+    pads rows anyway). The result never decreases as expected_tokens grows.
+    """
+    if expected_tokens < 0:
+        raise ValueError(f"expected_tokens must be >= 0, got {expected_tokens}")
+    tiers = SUPPORTED_BLOCK_M if supported is None else tuple(supported)
+    unknown = sorted(set(tiers) - set(BLOCK_M_TIERS))
+    if not tiers or unknown:
+        raise ValueError(f"supported BLOCK_M tiers must be a non-empty subset of {BLOCK_M_TIERS}, got {tiers}")
+    preferred = next((tier for bound, tier in _TIER_UPPER_BOUNDS if expected_tokens <= bound), BLOCK_M_TIERS[-1])
+    return min(tiers, key=lambda tier: (abs(math.log2(tier / preferred)), -tier))
+
+
+def _check_tier(block_m: int) -> None:
+    if block_m not in BLOCK_M_TIERS:
+        raise ValueError(f"block_m must be one of {BLOCK_M_TIERS}, got {block_m}")
+
+
+def _check_local_experts(num_local_experts: int) -> None:
+    if num_local_experts < 1:
+        raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
+
+
+def _align(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+# The two functions below mirror csrc/megamoe/config.cuh (KernelConfig::kSmemBytes);
+# the JIT-generated source static_asserts that both agree.
+def _stage_bytes(block_m: int) -> int:
+    raw = block_m * BLOCK_K * _FP8_BYTES + BLOCK_N * BLOCK_K * _FP8_BYTES
+    return _align(raw, STAGE_ALIGN)
+
+
+def _fixed_bytes(block_m: int, num_local_experts: int) -> int:
+    amax_exchange = 2 * 2 * block_m * _F32_BYTES  # [2 parities][2 warpgroups][block_m]
+    expert_tables = (_EXPERT_TABLE_WORDS * num_local_experts + 1) * _I32_BYTES
+    return _align(_BARRIER_SCRATCH_BYTES + amax_exchange + expert_tables, STAGE_ALIGN) + _BASE_ALIGN_BYTES
+
+
+def smem_bytes(block_m: int, num_stages: int, num_local_experts: int) -> int:
+    """Dynamic shared memory one CTA needs, in bytes.
+
+    num_stages pipeline stages (A tile, B tile, padded to 1024 bytes so every
+    stage's tiles stay aligned for the TMA swizzle) plus the fixed part: 1024 bytes of
+    mbarriers, the cross-warpgroup amax exchange (double-buffered, 2 * 2 * block_m
+    float32), 3 int32 tables per local expert, and 1024 bytes of slack to align the
+    dynamic shared memory base.
+    """
+    _check_tier(block_m)
+    _check_local_experts(num_local_experts)
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    return num_stages * _stage_bytes(block_m) + _fixed_bytes(block_m, num_local_experts)
+
+
+def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = SMEM_LIMIT) -> int:
+    """Largest stage count whose `smem_bytes` fits in `smem_limit`.
+
+    Raises ValueError when fewer than MIN_STAGES fit: with one stage the TMA producer
+    and the math warpgroups would serialize, and the kernel would be far slower than
+    any alternative, so that is refused rather than launched.
+    """
+    _check_tier(block_m)
+    _check_local_experts(num_local_experts)
+    stages = (smem_limit - _fixed_bytes(block_m, num_local_experts)) // _stage_bytes(block_m)
+    if stages < MIN_STAGES:
+        raise ValueError(
+            f"only {max(stages, 0)} pipeline stage(s) of block_m={block_m} fit in {smem_limit} bytes of shared "
+            f"memory with {num_local_experts} local experts; the kernel needs at least {MIN_STAGES}")
+    return stages
+
+
+def default_num_stages(block_m: int, num_local_experts: int, hidden: int, intermediate_size: int,
+                       smem_limit: int = SMEM_LIMIT) -> int:
+    """Pipeline depth: as many stages as fit, at most MAX_STAGES, at most the k-blocks
+    of the shorter GEMM (min(hidden, intermediate_size) / BLOCK_K), never below MIN_STAGES.
+
+    Deeper pipelines keep more loads in flight, which is what the weight-bandwidth-bound
+    decode case needs, but stages beyond the k-blocks one tile has cannot be filled by
+    that tile's loads, and past MAX_STAGES the latency is already covered.
+    """
+    useful = max(MIN_STAGES, min(hidden, intermediate_size) // BLOCK_K)
+    return min(max_pipeline_stages(block_m, num_local_experts, smem_limit), MAX_STAGES, useful)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of one kernel specialization; the kernel is compiled per config.
+
+    num_sms is the number of persistent CTAs launched (one per SM the caller leaves
+    free); the grid-wide barrier needs all of them resident at once.
+    """
+
+    block_m: int
+    num_stages: int
+    num_sms: int
+    block_n: int = BLOCK_N
+    block_k: int = BLOCK_K
+
+    def __post_init__(self) -> None:
+        if self.block_m not in SUPPORTED_BLOCK_M:
+            raise ValueError(f"block_m must be one of the implemented tiers {SUPPORTED_BLOCK_M}, got {self.block_m}")
+        if (self.block_n, self.block_k) != (BLOCK_N, BLOCK_K):
+            raise ValueError(f"the kernel's tile is block_n={BLOCK_N}, block_k={BLOCK_K}; "
+                             f"got block_n={self.block_n}, block_k={self.block_k}")
+        if self.num_stages < MIN_STAGES:
+            raise ValueError(f"num_stages must be >= {MIN_STAGES}, got {self.num_stages}")
+        if self.num_sms < 1:
+            raise ValueError(f"num_sms must be >= 1, got {self.num_sms}")
+
+    def key(self) -> str:
+        """Short file-name-safe identifier, e.g. 'bm64_st5_sm132'.
+
+        block_n and block_k are validated to the kernel's fixed values, so the fields
+        that can vary (block_m, num_stages, num_sms) identify the config.
+        """
+        return f"bm{self.block_m}_st{self.num_stages}_sm{self.num_sms}"
+
+
+def default_config(num_ranks: int, num_experts: int, num_topk: int, hidden: int, intermediate_size: int,
+                   num_tokens: int, num_sms: int) -> KernelConfig:
+    """The heuristic config for a call with num_tokens tokens per rank on num_sms SMs."""
+    if num_experts % num_ranks != 0:
+        raise ValueError(f"num_experts ({num_experts}) must be a multiple of num_ranks ({num_ranks})")
+    for name, value in (("hidden", hidden), ("intermediate_size", intermediate_size)):
+        if value < BLOCK_K or value % BLOCK_K != 0:
+            raise ValueError(f"{name} must be a positive multiple of {BLOCK_K}, got {value}")
+    expected = expected_tokens_per_expert(num_tokens, num_ranks, num_topk, num_experts)
+    block_m = select_block_m(expected)
+    num_stages = default_num_stages(block_m, num_experts // num_ranks, hidden, intermediate_size)
+    return KernelConfig(block_m=block_m, num_stages=num_stages, num_sms=num_sms)
+
+
+def num_experts_per_wave(num_local_experts: int, expected_tokens: float, num_sms: int, block_m: int,
+                         intermediate_size: int) -> int:
+    """Local experts the scheduler should treat as one wave.
+
+    The scheduler runs experts in waves so that the L2 (down) GEMM of one wave starts
+    while the L1 (gate/up) GEMM of the next still runs: L2 of an expert depends only on
+    that expert's L1 output, so a wave's L2 tiles fill the gaps as its L1 tiles finish
+    and the L1 output pool only has to hold a wave or two. A wave must hold enough L1
+    tiles (ceil(expected_tokens / block_m) m-blocks, at least one since an expert with
+    any token costs one, times 2 * intermediate_size / BLOCK_N n-blocks, per expert)
+    to give each of the num_sms CTAs one, or SMs idle before L2 work exists; beyond
+    that, smaller waves start L2 sooner. The count is rounded up to a divisor of
+    num_local_experts so all waves are equal and no short tail wave leaves SMs idle.
+    """
+    _check_tier(block_m)
+    _check_local_experts(num_local_experts)
+    if expected_tokens < 0:
+        raise ValueError(f"expected_tokens must be >= 0, got {expected_tokens}")
+    if num_sms < 1:
+        raise ValueError(f"num_sms must be >= 1, got {num_sms}")
+    if intermediate_size < BLOCK_K or intermediate_size % BLOCK_K != 0:
+        raise ValueError(f"intermediate_size must be a positive multiple of {BLOCK_K}, got {intermediate_size}")
+    tiles_per_expert = max(1, math.ceil(expected_tokens / block_m)) * (2 * intermediate_size // BLOCK_N)
+    needed = min(num_local_experts, -(-num_sms // tiles_per_expert))
+    return next(d for d in range(needed, num_local_experts + 1) if num_local_experts % d == 0)

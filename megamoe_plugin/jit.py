@@ -1,0 +1,254 @@
+"""Run-time specialization of the kernel: nvcc to an sm_90a cubin, cached on disk.
+
+The cache key is a hash of every kernel source, the generated instantiation, the nvcc
+flags and nvcc's version, so a changed header or toolkit never reuses a stale cubin.
+Several ranks may compile the same variant at once: each compiles into its own temp
+directory and atomically renames the cubin into place.
+
+`python -m megamoe_plugin.jit --check` compiles every variant the heuristics can pick
+for the reference configs of DESIGN.md section 8 (no GPU needed) and prints registers,
+spills, stack frame and shared memory; it exits non-zero on a spill or compile error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+from .paths import CSRC_DIR
+
+KERNEL_NAME = "megamoe_fused_kernel"
+NUM_THREADS = 384
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelVariant:
+    """Template arguments of one compiled kernel."""
+
+    hidden: int
+    intermediate_size: int
+    num_topk: int
+    num_experts: int
+    num_ranks: int
+    block_m: int
+    num_stages: int
+    fast_math: bool
+
+    def source(self) -> str:
+        cfg = (f"megamoe::KernelConfig<{self.hidden}, {self.intermediate_size}, {self.num_topk}, {self.num_experts}, "
+               f"{self.num_ranks}, {self.block_m}, {self.num_stages}, {'true' if self.fast_math else 'false'}>")
+        return (
+            '#include "megamoe/kernel.cuh"\n'
+            f"using Cfg = {cfg};\n"
+            f'extern "C" __global__ void __launch_bounds__(Cfg::kNumThreads, 1)\n'
+            f"{KERNEL_NAME}(const __grid_constant__ megamoe::KernelParams p) {{ megamoe::mega_moe<Cfg>(p); }}\n"
+            f"static_assert(Cfg::kSmemBytes + 1024 == {smem_bytes_of(self)}, "
+            f"\"heuristics.smem_bytes disagrees with config.cuh\");\n"
+        )
+
+    def name(self) -> str:
+        return (f"h{self.hidden}_i{self.intermediate_size}_k{self.num_topk}_e{self.num_experts}_r{self.num_ranks}"
+                f"_bm{self.block_m}_st{self.num_stages}_fm{int(self.fast_math)}")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("MEGAMOE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "megamoe_plugin"
+
+
+def find_nvcc() -> str:
+    for candidate in (os.environ.get("MEGAMOE_NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    raise RuntimeError("megamoe: nvcc not found (needed once per kernel variant); install the CUDA toolkit "
+                       "or set MEGAMOE_NVCC")
+
+
+@functools.lru_cache(maxsize=None)
+def nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"V(\d+\.\d+\.\d+)", out)
+    return match.group(1) if match else out.strip().splitlines()[-1]
+
+
+@functools.lru_cache(maxsize=None)
+def cutlass_include_dir() -> str:
+    env = os.environ.get("MEGAMOE_CUTLASS_INCLUDE")
+    if env:
+        return env
+    try:
+        import cutlass_library
+    except ImportError as exc:
+        raise RuntimeError("megamoe: CUTLASS/CuTe headers not found; pip install nvidia-cutlass "
+                           "(or set MEGAMOE_CUTLASS_INCLUDE)") from exc
+    return str(Path(cutlass_library.__file__).parent / "source" / "include")
+
+
+def nvcc_flags() -> List[str]:
+    return ["-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+            "-Xptxas=-v", "-lineinfo", "-DNDEBUG"]
+
+
+@functools.lru_cache(maxsize=None)
+def _sources_digest() -> str:
+    h = hashlib.sha256()
+    for path in sorted((CSRC_DIR / "megamoe").glob("*")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(variant: KernelVariant, nvcc: str) -> str:
+    h = hashlib.sha256()
+    for part in (_sources_digest(), variant.source(), " ".join(nvcc_flags()), nvcc_version(nvcc)):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+@dataclasses.dataclass
+class CompiledKernel:
+    variant: KernelVariant
+    cubin: Path
+    ptxas_log: str
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes_of(self.variant)
+
+
+def smem_bytes_of(variant: KernelVariant) -> int:
+    """Dynamic shared memory to launch with (heuristics.smem_bytes; the generated source
+    static_asserts that it equals the kernel's own KernelConfig::kSmemBytes + 1 KiB slack)."""
+    from .heuristics import smem_bytes
+
+    return smem_bytes(variant.block_m, variant.num_stages, variant.num_experts // variant.num_ranks)
+
+
+def compile_variant(variant: KernelVariant, verbose: bool = False) -> CompiledKernel:
+    """Returns the cached cubin for `variant`, compiling it first if needed."""
+    nvcc = find_nvcc()
+    key = cache_key(variant, nvcc)
+    out_dir = cache_dir() / f"{variant.name()}_{key}"
+    cubin = out_dir / "kernel.cubin"
+    log_path = out_dir / "ptxas.log"
+    if cubin.exists():
+        return CompiledKernel(variant, cubin, log_path.read_text() if log_path.exists() else "")
+
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".build_") as tmp:
+        tmp = Path(tmp)
+        src = tmp / "kernel.cu"
+        src.write_text(variant.source())
+        cmd = [nvcc, *nvcc_flags(), "-cubin", "-I", str(CSRC_DIR), "-I", cutlass_include_dir(), "-o",
+               str(tmp / "kernel.cubin"), str(src)]
+        if verbose:
+            print(f"megamoe: compiling {variant.name()} ...", file=sys.stderr, flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"megamoe: nvcc failed for {variant.name()}:\n{proc.stderr[-8000:]}")
+        (tmp / "ptxas.log").write_text(proc.stderr)
+        staged = tmp / "final"
+        staged.mkdir()
+        shutil.move(str(tmp / "kernel.cubin"), staged / "kernel.cubin")
+        shutil.move(str(tmp / "ptxas.log"), staged / "ptxas.log")
+        try:
+            os.rename(staged, out_dir)  # atomic; loses harmlessly to a concurrent compile
+        except OSError:
+            if not cubin.exists():
+                raise
+    return CompiledKernel(variant, cubin, log_path.read_text())
+
+
+@dataclasses.dataclass
+class ResourceUsage:
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_frame: int
+    static_smem: int
+
+
+def parse_ptxas(log: str) -> ResourceUsage:
+    """Reads the entry kernel's line of `ptxas -v` output."""
+    section = log[log.find(KERNEL_NAME):] if KERNEL_NAME in log else log
+    def grab(pattern, default=0):
+        m = re.search(pattern, section)
+        return int(m.group(1)) if m else default
+    return ResourceUsage(
+        registers=grab(r"Used (\d+) registers", -1),
+        spill_stores=grab(r"(\d+) bytes spill stores"),
+        spill_loads=grab(r"(\d+) bytes spill loads"),
+        stack_frame=grab(r"(\d+) bytes stack frame"),
+        static_smem=grab(r"(\d+) bytes smem"),
+    )
+
+
+def check_variants(variants: List[KernelVariant]) -> int:
+    """Compiles `variants`, prints a resource table; returns the number of failures."""
+    failures = 0
+    print(f"{'variant':58s} {'regs':>5s} {'spill':>6s} {'stack':>6s} {'smem':>7s}  status")
+    for variant in variants:
+        try:
+            compiled = compile_variant(variant)
+        except RuntimeError as exc:
+            failures += 1
+            print(f"{variant.name():58s} compile error\n{exc}")
+            continue
+        usage = parse_ptxas(compiled.ptxas_log)
+        spills = usage.spill_stores + usage.spill_loads
+        ok = spills == 0 and usage.registers > 0
+        failures += not ok
+        print(f"{variant.name():58s} {usage.registers:5d} {spills:6d} {usage.stack_frame:6d} "
+              f"{compiled.smem_bytes:7d}  {'ok' if ok else 'SPILLS' if spills else 'no ptxas report'}", flush=True)
+    return failures
+
+
+def reference_variants() -> List[KernelVariant]:
+    """Every variant the heuristics pick for DESIGN.md section 8's reference configs."""
+    from .heuristics import default_config
+
+    shapes = {"v3": (7168, 2048, 8), "v4flash": (4096, 2048, 6), "qwen235": (4096, 1536, 8), "qwen30": (2048, 768, 8)}
+    num_local_experts = 32
+    variants = []
+    for hidden, inter, topk in shapes.values():
+        for num_ranks in (1, 2):
+            num_experts = num_local_experts * num_ranks
+            for tokens in (1, 8, 32, 128, 512, 2048, 8192):
+                cfg = default_config(num_ranks, num_experts, topk, hidden, inter, tokens, 132)
+                for fast_math in (True, False):
+                    v = KernelVariant(hidden, inter, topk, num_experts, num_ranks, cfg.block_m, cfg.num_stages,
+                                      fast_math)
+                    if v not in variants:
+                        variants.append(v)
+    return variants
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m megamoe_plugin.jit", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compile every reference variant and report resources")
+    parser.add_argument("--limit", type=int, default=0, help="compile only the first N variants")
+    args = parser.parse_args(argv)
+    if not args.check:
+        parser.print_help()
+        return 2
+    variants = reference_variants()
+    if args.limit:
+        variants = variants[: args.limit]
+    failures = check_variants(variants)
+    print(f"{len(variants) - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

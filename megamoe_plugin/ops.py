@@ -1,0 +1,225 @@
+"""Op layer: validates a call, picks the kernel variant, launches it.
+
+Everything that does not change between calls (the compiled kernel, TMA descriptors
+over the buffer and the weights, the launch configuration) is built on the first call
+for a (buffer, weights, variant) and cached, so a call is argument checks plus one
+launch on the current stream: no host sync, no allocation, capturable in a CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+
+from .buffer import SymmBuffer
+from .jit import NUM_THREADS, KERNEL_NAME, KernelVariant, compile_variant
+
+WeightPair = Tuple[torch.Tensor, torch.Tensor]
+
+# Why a kernel stopped (csrc/megamoe/params.h ErrorCode).
+_ERROR_NAMES = {
+    1: "grid barrier (a CTA of this rank never arrived: are all SMs free for the persistent grid?)",
+    2: "cross-rank barrier (a peer rank did not call fp8_mega_moe, or it is stuck)",
+    3: "TMA pipeline 'full' barrier (loads never completed)",
+    4: "TMA pipeline 'empty' barrier (math warpgroups stopped consuming)",
+}
+
+
+def _timeout_s() -> float:
+    return float(os.environ.get("MEGAMOE_TIMEOUT_S", "30"))
+
+
+def _runtime():
+    try:
+        from . import _runtime
+    except ImportError as exc:
+        raise RuntimeError("megamoe: the host runtime extension is not built (reinstall the package on a machine "
+                           "with the CUDA toolkit headers: pip install -e .)") from exc
+    return _runtime
+
+
+def kernel_error() -> Optional[str]:
+    """The failure recorded by an earlier kernel in this process, or None."""
+    code = _runtime().read_error_word()
+    if code == 0:
+        return None
+    return f"megamoe kernel timed out waiting on the {_ERROR_NAMES.get(code & 0xFF, f'unknown wait {code}')}"
+
+
+def synchronize() -> None:
+    """torch.cuda.synchronize(), turning a kernel timeout into a RuntimeError that names the wait."""
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        reason = kernel_error()
+        if reason is not None:
+            raise RuntimeError(reason) from exc
+        raise
+
+
+def _require_sm90(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise RuntimeError(f"megamoe: fp8_mega_moe needs an SM90 (Hopper) GPU; the buffer is on {device}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(device)
+        raise RuntimeError(f"megamoe: fp8_mega_moe needs an SM90 (Hopper: H100/H200/H20) GPU; {name} is "
+                           f"sm_{major}{minor}")
+
+
+def _check_tensor(t, name: str, dtype: torch.dtype, shape: Tuple[int, ...], device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (the buffer's device), got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _unpack_pair(pair, name: str) -> WeightPair:
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+        raise TypeError(f"{name} must be a (weight, scale) pair from transform_weights, got {type(pair).__name__}")
+    return pair[0], pair[1]
+
+
+def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats) -> None:
+    """Every check of a call, before anything is launched (DESIGN.md section 3)."""
+    if not isinstance(buf, SymmBuffer):
+        raise TypeError(f"buf must be a SymmBuffer from get_symm_buffer, got {type(buf).__name__}")
+    s, dev = buf.shape, buf.device
+    el, h, i = s.num_local_experts, s.hidden, s.intermediate_size
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"y must be a torch.Tensor, got {type(y).__name__}")
+    if y.dim() != 2 or y.shape[1] != h:
+        raise ValueError(f"y must have shape [num_tokens, hidden={h}], got {list(y.shape)}")
+    if y.shape[0] > s.num_max_tokens_per_rank:
+        raise ValueError(f"y has {y.shape[0]} tokens, more than the buffer's num_max_tokens_per_rank="
+                         f"{s.num_max_tokens_per_rank}")
+    _check_tensor(y, "y", torch.bfloat16, (y.shape[0], h), dev)
+    w13, w13_scale = _unpack_pair(l1, "l1")
+    w2, w2_scale = _unpack_pair(l2, "l2")
+    _check_tensor(w13, "l1 weight (w13)", torch.float8_e4m3fn, (el, 2 * i, h), dev)
+    _check_tensor(w13_scale, "l1 scale (w13_scale, transformed layout)", torch.float32, (el, i // 128, 2, h // 128), dev)
+    _check_tensor(w2, "l2 weight (w2)", torch.float8_e4m3fn, (el, h, i), dev)
+    _check_tensor(w2_scale, "l2 scale (w2_scale)", torch.float32, (el, h // 128, i // 128), dev)
+    if activation_clamp is not None:
+        if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float)):
+            raise TypeError(f"activation_clamp must be a float or None, got {type(activation_clamp).__name__}")
+        if not (math.isfinite(activation_clamp) and activation_clamp > 0):
+            raise ValueError(f"activation_clamp must be a finite positive number, got {activation_clamp}")
+    if not isinstance(fast_math, bool):
+        raise TypeError(f"fast_math must be a bool, got {type(fast_math).__name__}")
+    if cumulative_local_expert_recv_stats is not None:
+        _check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", torch.int32, (el,), dev)
+
+
+def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool) -> KernelVariant:
+    from .configs import lookup_config
+
+    s = buf.shape
+    cfg = lookup_config(_device_name(buf.device), s.num_ranks, s.num_experts, s.num_topk, s.hidden,
+                        s.intermediate_size, num_tokens, _num_sms(buf.device))
+    return KernelVariant(s.hidden, s.intermediate_size, s.num_topk, s.num_experts, s.num_ranks, cfg.block_m,
+                         cfg.num_stages, fast_math)
+
+
+_device_names: Dict[int, str] = {}
+_device_sms: Dict[int, int] = {}
+
+
+def _device_name(device: torch.device) -> str:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _device_names:
+        _device_names[idx] = torch.cuda.get_device_name(idx)
+    return _device_names[idx]
+
+
+def _num_sms(device: torch.device) -> int:
+    """CTAs of the persistent grid: every SM unless MEGAMOE_NUM_SMS reserves some.
+    All CTAs must be resident at once (grid barriers), so leave SMs to concurrent kernels here."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _device_sms:
+        total = torch.cuda.get_device_properties(idx).multi_processor_count
+        _device_sms[idx] = min(total, int(os.environ.get("MEGAMOE_NUM_SMS", total)))
+    return _device_sms[idx]
+
+
+# (device index, variant) -> kernel handle; (buffer id, weight pointers, block_m) -> params handle.
+_kernels: Dict[Tuple[int, KernelVariant], int] = {}
+_params: Dict[Tuple, int] = {}
+
+
+def _kernel_handle(device: torch.device, variant: KernelVariant) -> int:
+    key = (device.index, variant)
+    handle = _kernels.get(key)
+    if handle is None:
+        compiled = compile_variant(variant, verbose=True)
+        with torch.cuda.device(device):
+            handle = _runtime().load_kernel(str(compiled.cubin), KERNEL_NAME, compiled.smem_bytes)
+        _kernels[key] = handle
+    return handle
+
+
+def _params_handle(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, block_m: int) -> int:
+    key = (id(buf), buf.storage.data_ptr(), l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(), l2[1].data_ptr(),
+           block_m)
+    handle = _params.get(key)
+    if handle is None:
+        s = buf.shape
+        with torch.cuda.device(buf.device):
+            handle = _runtime().make_params(
+                list(buf.peer_ptrs), buf.rank, buf.layout.offsets(), s.pool_capacity, s.hidden, s.intermediate_size,
+                s.num_local_experts, block_m, l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(),
+                l2[1].data_ptr(), _timeout_s())
+        _params[key] = handle
+    return handle
+
+
+def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Iterable[int],
+           fast_math: bool = True) -> int:
+    """Compiles and loads every kernel variant the given token counts select (call it
+    before CUDA-graph capture). Returns how many distinct variants that is."""
+    _require_sm90(buf.device)
+    variants = []
+    for n in num_tokens_list:
+        v = select_variant(buf, int(n), fast_math)
+        if v not in variants:
+            variants.append(v)
+    try:
+        from tqdm import tqdm
+        iterator = tqdm(variants, desc="megamoe: compiling kernels", unit="variant")
+    except ImportError:
+        iterator = variants
+    for v in iterator:
+        _kernel_handle(buf.device, v)
+        _params_handle(buf, tuple(l1), tuple(l2), v.block_m)
+    return len(variants)
+
+
+def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer,
+                 activation_clamp: Optional[float] = None, fast_math: bool = True,
+                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                 _stop_after_phase: int = 0) -> torch.Tensor:
+    """The fused MoE of DESIGN.md section 2 for this rank's first y.shape[0] tokens,
+    whose inputs the caller wrote into buf.x / x_sf / topk_idx / topk_weights.
+    Every rank of the buffer's group calls it each step (also with 0 tokens). Writes y.
+
+    `_stop_after_phase` is for phase-by-phase kernel debugging (csrc/megamoe/kernel.cuh
+    numbers the phases); a stopped call leaves the send counters for the caller to zero."""
+    validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats)
+    _require_sm90(buf.device)
+    num_tokens = y.shape[0]
+    variant = select_variant(buf, num_tokens, fast_math)
+    kernel = _kernel_handle(buf.device, variant)
+    params = _params_handle(buf, tuple(l1), tuple(l2), variant.block_m)
+    stats = cumulative_local_expert_recv_stats
+    _runtime().launch(kernel, params, y.data_ptr(), num_tokens, 0 if stats is None else stats.data_ptr(),
+                      math.inf if activation_clamp is None else float(activation_clamp), _num_sms(buf.device),
+                      NUM_THREADS, torch.cuda.current_stream(buf.device).cuda_stream, _stop_after_phase)
+    return y

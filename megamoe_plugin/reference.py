@@ -1,0 +1,243 @@
+"""The float32 reference of the MegaMoE operation (DESIGN.md section 2) and the
+accuracy check every kernel test uses.
+
+`mega_moe` runs all R ranks of an expert-parallel layer in one process. It is the
+definition the kernel is measured against, so it follows the contract step by step
+rather than the kernel's schedule: dequantize, L1 GEMM, optional clamp, SwiGLU times
+the routing weight, per-G requant, L2 GEMM, bf16 rounding, and a float32 combine over
+slots in ascending k. It is vectorized by expert (all (token, slot) rows routed to an
+expert, from every rank, go through one matmul per GEMM, and each expert's weights are
+dequantized once) so it also serves as the oracle for large GPU test shapes: a
+4096-token, 32-expert, H=4096 layer takes about 12 s on a 2-core CPU, and 8192 tokens of
+the v3 shape (H=7168, I=2048, K=8, 32 experts) about 0.12 s on one H200.
+
+On CUDA the matmuls accumulate in float64 and round to float32: that is at least as
+accurate as a float32 GEMM and, unlike one, cannot be silently degraded to TF32 by the
+process's global precision flags (vLLM and user code set them; toggling them here would
+clash with torch's legacy/new flag APIs). On CPU float32 GEMMs are full precision unless
+a caller explicitly asked for lower, and twice as fast as float64.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .fp8 import FP8_DTYPE, dequantize_per_token_group, dequantize_weight_blocks, requantize_groups
+from .weights import validate_checkpoint_weights
+
+INPUT_GROUP = 128
+SUPPORTED_REQUANT_GROUPS = (64, 128)
+_RANK_KEYS = ("x", "x_sf", "topk_idx", "topk_weights")
+_WEIGHT_KEYS = ("w13", "w13_scale", "w2", "w2_scale")
+
+
+def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float32 a @ b.T for float32 a [M, K] and b [N, K] (see the module docstring)."""
+    if a.is_cuda:
+        return (a.double() @ b.double().T).float()
+    return a @ b.T
+
+
+def _require_keys(entry, keys: Sequence[str], name: str) -> None:
+    if not isinstance(entry, Mapping):
+        raise TypeError(f"{name} must be a dict with keys {list(keys)}, got {type(entry).__name__}")
+    missing = [key for key in keys if key not in entry]
+    if missing:
+        raise ValueError(f"{name} is missing keys {missing} (expected {list(keys)})")
+
+
+def _require_tensor(tensor, name: str, dtype: torch.dtype, shape: Tuple[int, ...], layout: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {tensor.dtype}")
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must have shape {layout} = {shape}, got {tuple(tensor.shape)}")
+
+
+def _validate(ranks, weights, num_experts, activation_clamp, requant_group) -> Tuple[int, int, int]:
+    """Check every argument; return (hidden, intermediate, topk)."""
+    if not isinstance(ranks, Sequence) or len(ranks) == 0:
+        raise ValueError("ranks must be a non-empty list with one input dict per rank")
+    if not isinstance(weights, Sequence) or len(weights) != len(ranks):
+        raise ValueError(f"weights must be a list with one weight dict per rank ({len(ranks)}), "
+                         f"got {len(weights) if isinstance(weights, Sequence) else type(weights).__name__}")
+    num_ranks = len(ranks)
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if num_experts % num_ranks != 0:
+        raise ValueError(f"num_experts={num_experts} must be divisible by the number of ranks {num_ranks}")
+    if activation_clamp is not None and not (
+            isinstance(activation_clamp, numbers.Real) and not isinstance(activation_clamp, bool)
+            and math.isfinite(activation_clamp) and activation_clamp > 0):
+        raise ValueError(f"activation_clamp must be None or a positive finite number, got {activation_clamp!r}")
+    if requant_group not in SUPPORTED_REQUANT_GROUPS:
+        raise ValueError(f"requant_group must be one of {SUPPORTED_REQUANT_GROUPS}, got {requant_group!r}")
+
+    for r, inputs in enumerate(ranks):
+        _require_keys(inputs, _RANK_KEYS, f"ranks[{r}]")
+    num_local_experts = num_experts // num_ranks
+    shapes = set()
+    for r, w in enumerate(weights):
+        _require_keys(w, _WEIGHT_KEYS, f"weights[{r}]")
+        local, hidden, intermediate = validate_checkpoint_weights(*(w[key] for key in _WEIGHT_KEYS),
+                                                                  where=f"weights[{r}]")
+        if local != num_local_experts:
+            raise ValueError(f"weights[{r}]['w13'].shape[0]={local} must be num_experts / num_ranks = "
+                             f"{num_experts} / {num_ranks} = {num_local_experts}")
+        shapes.add((hidden, intermediate))
+    if len(shapes) != 1:
+        raise ValueError(f"weights of all ranks must have the same (H, I), got {sorted(shapes)}")
+    # I % 128 == 0 (checked above) makes every supported requant_group divide I.
+    hidden, intermediate = shapes.pop()
+
+    device = weights[0]["w13"].device
+    for where, entries, keys in (("ranks", ranks, _RANK_KEYS), ("weights", weights, _WEIGHT_KEYS)):
+        for r, entry in enumerate(entries):
+            for key in keys:
+                if isinstance(entry[key], torch.Tensor) and entry[key].device != device:
+                    raise ValueError(f"{where}[{r}][{key!r}] is on {entry[key].device} but weights[0]['w13'] is on "
+                                     f"{device}; all inputs and weights must be on one device")
+
+    topk = None
+    for r, inputs in enumerate(ranks):
+        x = inputs["x"]
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError(f"ranks[{r}]['x'] must be a 2-D tensor [T, H]")
+        num_tokens = x.shape[0]
+        _require_tensor(x, f"ranks[{r}]['x']", FP8_DTYPE, (num_tokens, hidden), "[T, H]")
+        _require_tensor(inputs["x_sf"], f"ranks[{r}]['x_sf']", torch.float32,
+                        (num_tokens, hidden // INPUT_GROUP), "[T, H/128]")
+        topk_idx = inputs["topk_idx"]
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
+            raise ValueError(f"ranks[{r}]['topk_idx'] must be a 2-D tensor [T, K] with T={num_tokens}")
+        if topk is None:
+            topk = topk_idx.shape[1]
+            if topk < 1:
+                raise ValueError(f"ranks[{r}]['topk_idx'] must have K >= 1 columns, got {topk}")
+        _require_tensor(topk_idx, f"ranks[{r}]['topk_idx']", torch.int64, (num_tokens, topk),
+                        "[T, K] (K equal on all ranks)")
+        _require_tensor(inputs["topk_weights"], f"ranks[{r}]['topk_weights']", torch.float32,
+                        (num_tokens, topk), "[T, K]")
+        if num_tokens > 0 and not bool(((topk_idx >= -1) & (topk_idx < num_experts)).all()):
+            raise ValueError(f"ranks[{r}]['topk_idx'] values must lie in [-1, num_experts={num_experts}), "
+                             f"got min {int(topk_idx.min())} max {int(topk_idx.max())}")
+    return hidden, intermediate, topk
+
+
+def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[str, torch.Tensor]],
+             num_experts: int, activation_clamp: Optional[float] = None, requant_group: int = 128,
+             return_intermediates: bool = False):
+    """Float32 reference of DESIGN.md section 2 for R = len(ranks) ranks in one process.
+
+    ranks[r]:   {x fp8 [T_r, H], x_sf f32 [T_r, H/128], topk_idx i64 [T_r, K] in [-1, E),
+                 topk_weights f32 [T_r, K]}
+    weights[r]: {w13 fp8 [E/R, 2I, H], w13_scale f32 [E/R, 2I/128, H/128],
+                 w2 fp8 [E/R, H, I], w2_scale f32 [E/R, H/128, I/128]} (checkpoint layout)
+    Global expert e lives on rank e // (E/R) as local expert e % (E/R).
+
+    Returns ys, the list of bf16 [T_r, H] outputs, on the inputs' device. With
+    return_intermediates=True returns (ys, intermediates): one dict per global expert e
+    with the rows it received, for checking a kernel phase by phase:
+        src     i64 [n_e, 3]  (source rank, token, slot), sorted lexicographically
+        l1_out  f32 [n_e, 2I] L1 output before the clamp (gate columns, then up)
+        act     f32 [n_e, I]  clamped SwiGLU times the routing weight
+        act_q   fp8 [n_e, I], act_sf f32 [n_e, I/G]  its requantization
+        l2_out  f32 [n_e, H]  L2 output before bf16 rounding
+    """
+    hidden, intermediate, topk = _validate(ranks, weights, num_experts, activation_clamp, requant_group)
+    num_local_experts = num_experts // len(ranks)
+    device = weights[0]["w13"].device
+    tokens_per_rank = [inputs["x"].shape[0] for inputs in ranks]
+
+    # All ranks' tokens stacked rank-major; entry t * K + k is slot k of stacked token t.
+    a = torch.cat([dequantize_per_token_group(inputs["x"], inputs["x_sf"], INPUT_GROUP) for inputs in ranks])
+    entry_expert = torch.cat([inputs["topk_idx"] for inputs in ranks]).reshape(-1)
+    entry_weight = torch.cat([inputs["topk_weights"] for inputs in ranks]).reshape(-1)
+    source_rank = torch.cat([torch.full((n,), r, dtype=torch.int64, device=device)
+                             for r, n in enumerate(tokens_per_rank)])
+    source_token = torch.cat([torch.arange(n, dtype=torch.int64, device=device) for n in tokens_per_rank])
+
+    # Valid entries in (rank, token, slot) order; a stable sort by expert keeps that
+    # order within each expert.
+    valid_entries = torch.nonzero(entry_expert >= 0).squeeze(1)
+    by_expert = valid_entries[torch.sort(entry_expert[valid_entries], stable=True).indices]
+    counts = torch.bincount(entry_expert[by_expert], minlength=num_experts).tolist()
+
+    expert_out = torch.zeros(a.shape[0] * topk, hidden, dtype=torch.bfloat16, device=device)
+    intermediates: List[Dict[str, torch.Tensor]] = []
+    for expert, entries in enumerate(torch.split(by_expert, counts)):
+        if entries.numel() == 0 and not return_intermediates:
+            continue
+        w = weights[expert // num_local_experts]
+        local = expert % num_local_experts
+        tokens = entries // topk
+
+        l1_out = _matmul_nt(a[tokens], dequantize_weight_blocks(w["w13"][local], w["w13_scale"][local]))
+        gate, up = l1_out[:, :intermediate], l1_out[:, intermediate:]
+        if activation_clamp is not None:
+            gate = gate.clamp(max=activation_clamp)
+            up = up.clamp(-activation_clamp, activation_clamp)
+        act = F.silu(gate) * up * entry_weight[entries].unsqueeze(1)
+        act_q, act_sf = requantize_groups(act, requant_group)
+        l2_out = _matmul_nt(dequantize_per_token_group(act_q, act_sf, requant_group),
+                            dequantize_weight_blocks(w["w2"][local], w["w2_scale"][local]))
+        expert_out[entries] = l2_out.to(torch.bfloat16)
+
+        if return_intermediates:
+            src = torch.stack([source_rank[tokens], source_token[tokens], entries % topk], dim=1)
+            intermediates.append(dict(src=src, l1_out=l1_out, act=act, act_q=act_q, act_sf=act_sf, l2_out=l2_out))
+
+    # Combine: float32 sum over slots in ascending k; empty slots hold zeros.
+    slot_out = expert_out.view(a.shape[0], topk, hidden)
+    combined = torch.zeros(a.shape[0], hidden, dtype=torch.float32, device=device)
+    for k in range(topk):
+        combined += slot_out[:, k].float()
+    ys = list(combined.to(torch.bfloat16).split(tokens_per_rank))
+    return (ys, intermediates) if return_intermediates else ys
+
+
+def calc_diff(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """1 - 2 * sum(y * ref) / sum(y^2 + ref^2) in float64; 0.0 when both are all zero."""
+    y64, ref64 = y.double(), ref.double()
+    denominator = float((y64 * y64 + ref64 * ref64).sum())
+    if denominator == 0.0:
+        return 0.0
+    return 1.0 - 2.0 * float((y64 * ref64).sum()) / denominator
+
+
+def check_close(y: torch.Tensor, ref: torch.Tensor, max_diff: float = 2e-4, max_token_rel: float = 1e-2) -> None:
+    """Assert that y matches ref: calc_diff <= max_diff and, for every token (row of the
+    first dim), ||y_t - ref_t|| / ||ref_t|| <= max_token_rel. A token whose reference row
+    is exactly zero must be exactly zero; NaN or Inf anywhere never passes."""
+    if tuple(y.shape) != tuple(ref.shape):
+        raise AssertionError(f"shape mismatch: y {tuple(y.shape)} vs ref {tuple(ref.shape)}")
+    if y.dim() < 2:
+        raise ValueError(f"check_close expects [T, ...] tensors with at least 2 dims, got shape {tuple(y.shape)}")
+    y64, ref64 = y.double().flatten(1), ref.double().flatten(1)
+    problems = []
+    for name, tensor in (("y", y64), ("ref", ref64)):
+        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+        if nan or inf:
+            problems.append(f"{name} has {nan} NaN and {inf} Inf values")
+    diff = calc_diff(y64, ref64)
+    if not diff <= max_diff:
+        problems.append(f"calc_diff={diff:.3e} > max_diff={max_diff:.1e}")
+    worst_token = "no tokens"
+    if y64.shape[0] > 0:
+        ref_norm = ref64.norm(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
+        token_rel = torch.nan_to_num((y64 - ref64).norm(dim=1) / ref_norm, nan=math.inf)
+        worst = int(token_rel.argmax())
+        worst_token = (f"worst token {worst}: relative L2 error {float(token_rel[worst]):.3e}, "
+                       f"|ref_t|={float(ref64[worst].norm()):.3e}")
+        over = int((token_rel > max_token_rel).sum())
+        if over:
+            problems.append(f"{over} of {y64.shape[0]} tokens have relative L2 error > max_token_rel={max_token_rel:.1e}")
+    if problems:
+        raise AssertionError(f"y does not match the reference (global calc_diff={diff:.3e}; {worst_token}): "
+                             + "; ".join(problems))

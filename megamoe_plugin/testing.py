@@ -1,0 +1,93 @@
+"""Random MoE layers and routings for the kernel's tests and benchmarks.
+
+Weights are random block-FP8 with per-block scales that vary across blocks (so a wrong
+scale lookup shows), activations are random BF16 quantized the way vLLM does it, and
+routings cover the cases the kernel must get right: uniform, masked slots, all tokens
+on one expert, half the experts empty.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+
+from .fp8 import quantize_per_token_group, quantize_weight_blocks
+from .weights import transform_weights
+
+ROUTINGS = ("uniform", "masked", "one_expert", "half_empty")
+
+
+@dataclasses.dataclass
+class Layer:
+    """One rank's expert weights, in checkpoint layout and in the kernel's layout."""
+
+    checkpoint: Dict[str, torch.Tensor]
+    l1: tuple
+    l2: tuple
+
+
+def random_layer(num_local_experts: int, hidden: int, intermediate: int, device, generator: torch.Generator) -> Layer:
+    def block_fp8(rows: int, cols: int, fan_in: int):
+        w = torch.randn(num_local_experts, rows, cols, generator=generator, device=device) / fan_in ** 0.5
+        # Different magnitudes per 128x128 block exercise the block-scale indexing.
+        block_gain = torch.rand(num_local_experts, rows // 128, cols // 128, generator=generator, device=device) + 0.5
+        w = w * block_gain.repeat_interleave(128, 1).repeat_interleave(128, 2)
+        return quantize_weight_blocks(w)
+
+    w13, w13_scale = block_fp8(2 * intermediate, hidden, hidden)
+    w2, w2_scale = block_fp8(hidden, intermediate, intermediate)
+    checkpoint = dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)
+    l1, l2 = transform_weights((w13, w13_scale), (w2, w2_scale))
+    return Layer(checkpoint, l1, l2)
+
+
+def random_routing(num_tokens: int, num_experts: int, num_topk: int, routing: str, device,
+                   generator: torch.Generator) -> torch.Tensor:
+    """int64 [num_tokens, num_topk] expert ids in [-1, E), distinct per token."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    experts = num_experts if routing != "half_empty" else max(1, num_experts // 2)
+    scores = torch.rand(num_tokens, experts, generator=generator, device=device)
+    k = min(num_topk, experts)
+    idx = scores.topk(k, dim=1).indices
+    if routing == "half_empty":
+        idx = idx * 2 if num_experts > 1 else idx  # only even experts receive tokens
+    if k < num_topk:
+        idx = torch.cat([idx, torch.full((num_tokens, num_topk - k), -1, device=device, dtype=idx.dtype)], dim=1)
+    if routing == "one_expert":
+        idx[:, 0] = 0
+        idx[:, 1:] = -1
+    if routing == "masked":
+        mask = torch.rand(num_tokens, num_topk, generator=generator, device=device) < 0.3
+        idx = idx.masked_fill(mask, -1)
+        if num_tokens > 0:
+            idx[0] = -1  # one token with no valid slot must come out as zeros
+    return idx.to(torch.int64).contiguous()
+
+
+def random_inputs(num_tokens: int, hidden: int, num_experts: int, num_topk: int, routing: str, device,
+                  generator: torch.Generator) -> Dict[str, torch.Tensor]:
+    """{x, x_sf, topk_idx, topk_weights} for one rank, plus the BF16 hidden states."""
+    hidden_states = torch.randn(num_tokens, hidden, generator=generator, device=device).to(torch.bfloat16)
+    x, x_sf = quantize_per_token_group(hidden_states)
+    topk_idx = random_routing(num_tokens, num_experts, num_topk, routing, device, generator)
+    topk_weights = torch.rand(num_tokens, num_topk, generator=generator, device=device) + 0.1
+    return dict(x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights.float(), hidden_states=hidden_states)
+
+
+def fill_buffer(buf, inputs: Dict[str, torch.Tensor]) -> int:
+    """Writes one rank's quantized inputs into its symmetric buffer; returns n."""
+    n = inputs["x"].shape[0]
+    for name in ("x", "x_sf", "topk_idx", "topk_weights"):
+        getattr(buf, name)[:n].copy_(inputs[name])
+    return n
+
+
+def reference_outputs(inputs: List[Dict[str, torch.Tensor]], layers: List[Layer], num_experts: int,
+                      activation_clamp: Optional[float] = None) -> List[torch.Tensor]:
+    from . import reference
+
+    ranks = [{k: v for k, v in r.items() if k != "hidden_states"} for r in inputs]
+    return reference.mega_moe(ranks, [layer.checkpoint for layer in layers], num_experts,
+                              activation_clamp=activation_clamp)

@@ -1,0 +1,150 @@
+"""Expert weights: the checkpoint layout, its validation, and the SM90 kernel layout.
+
+Checkpoint layout (vLLM FP8 128x128 block quantization, DESIGN.md section 2), per rank:
+    w13       float8_e4m3fn [E_l, 2I, H]         rows: I gate rows, then I up rows
+    w13_scale float32       [E_l, 2I/128, H/128]
+    w2        float8_e4m3fn [E_l, H, I]
+    w2_scale  float32       [E_l, H/128, I/128]
+
+Kernel layout produced by `transform_weights` (a pure permutation, bit-exact):
+    w13_t       [E_l, 2I, H]: gate and up rows interleaved in runs of 8. For j < I/8,
+                rows [16j, 16j+8) are gate rows [8j, 8j+8) and rows [16j+8, 16j+16)
+                are up rows [8j, 8j+8) (checkpoint rows I+8j ..).
+    w13_scale_t [E_l, I/128, 2, H/128]: [e, g, 0, kb] is the scale of gate block g,
+                [e, g, 1, kb] the scale of up block g (checkpoint block I/128 + g).
+    w2_t, w2_scale_t: the checkpoint tensors, made contiguous.
+
+Why this layout:
+- The L1 epilogue computes silu(gate) * up per output column (a w13 row is an L1
+  output column). In a WGMMA accumulator fragment a thread owns the same two columns of
+  every 8-column chunk; interleaving at granularity 8 makes chunk 2j gate columns
+  [8j, 8j+8) and chunk 2j+1 the matching up columns, so each thread holds gate and up
+  of the same outputs in its registers and SwiGLU needs no shared-memory exchange.
+- Every 256-row block g of w13_t holds exactly gate rows [128g, 128g+128) and up rows
+  [I+128g, I+128g+128): one gate and one up 128x128 scale block, which is what
+  w13_scale_t[:, g] stores side by side. An L1 tile of 256 rows therefore produces 128
+  complete outputs, i.e. whole requant groups (G = 128 or 64), and the epilogue can
+  quantize them without waiting for another tile.
+- L2 (down projection) needs no change: its K dimension is I in output order.
+
+The transform runs with views and one copy per tensor on the input's device.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .fp8 import FP8_DTYPE
+
+BLOCK = 128
+GATE_UP_INTERLEAVE = 8
+
+WeightPair = Tuple[torch.Tensor, torch.Tensor]
+
+
+def _arg_name(key: str, where: Optional[str]) -> str:
+    return key if where is None else f"{where}[{key!r}]"
+
+
+def _unpack_pair(pair, name: str) -> WeightPair:
+    if not isinstance(pair, Sequence) or len(pair) != 2:
+        raise TypeError(f"{name} must be a (weight, scale) pair of tensors, got {type(pair).__name__}")
+    return pair[0], pair[1]
+
+
+def _validate(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+              *, transformed: bool, where: Optional[str] = None) -> Tuple[int, int, int]:
+    names = {key: _arg_name(key, where) for key in ("w13", "w13_scale", "w2", "w2_scale")}
+    tensors = {"w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale}
+    for key, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{names[key]} must be a torch.Tensor, got {type(tensor).__name__}")
+    for key in ("w13", "w2"):
+        if tensors[key].dtype != FP8_DTYPE:
+            raise ValueError(f"{names[key]} must be {FP8_DTYPE}, got {tensors[key].dtype}")
+    for key in ("w13_scale", "w2_scale"):
+        if tensors[key].dtype != torch.float32:
+            raise ValueError(f"{names[key]} must be torch.float32 (128x128 block scales), got {tensors[key].dtype}")
+    for key, tensor in tensors.items():
+        if tensor.device != w13.device:
+            raise ValueError(f"{names[key]} is on {tensor.device} but {names['w13']} is on {w13.device}; "
+                             "all weights must be on one device")
+
+    if w13.dim() != 3:
+        raise ValueError(f"{names['w13']} must be 3-D [E_local, 2*I, H], got shape {tuple(w13.shape)}")
+    num_local_experts, rows, hidden = w13.shape
+    if rows % 2 != 0:
+        raise ValueError(f"{names['w13']}.shape[1]={rows} must be even (I gate rows then I up rows)")
+    intermediate = rows // 2
+    if intermediate % BLOCK != 0:
+        raise ValueError(f"intermediate size I = {names['w13']}.shape[1] / 2 = {intermediate} "
+                         f"must be a multiple of {BLOCK}")
+    if hidden % BLOCK != 0:
+        raise ValueError(f"hidden size H = {names['w13']}.shape[2] = {hidden} must be a multiple of {BLOCK}")
+    if w2.dim() != 3:
+        raise ValueError(f"{names['w2']} must be 3-D [E_local, H, I], got shape {tuple(w2.shape)}")
+    if w2.shape[0] != num_local_experts:
+        raise ValueError(f"{names['w2']}.shape[0]={w2.shape[0]} must equal {names['w13']}.shape[0]="
+                         f"{num_local_experts} (number of local experts)")
+    if tuple(w2.shape) != (num_local_experts, hidden, intermediate):
+        raise ValueError(f"{names['w2']} must have shape [E_local, H, I] = {(num_local_experts, hidden, intermediate)} "
+                         f"to match {names['w13']} of shape {tuple(w13.shape)}, got {tuple(w2.shape)}")
+
+    if transformed:
+        expected_w13_scale = (num_local_experts, intermediate // BLOCK, 2, hidden // BLOCK)
+        w13_scale_layout = "[E_local, I/128, 2, H/128]"
+    else:
+        expected_w13_scale = (num_local_experts, 2 * intermediate // BLOCK, hidden // BLOCK)
+        w13_scale_layout = "[E_local, 2I/128, H/128]"
+    expected_scales = {
+        "w13_scale": (expected_w13_scale, w13_scale_layout),
+        "w2_scale": ((num_local_experts, hidden // BLOCK, intermediate // BLOCK), "[E_local, H/128, I/128]"),
+    }
+    for key, (expected, layout) in expected_scales.items():
+        if tuple(tensors[key].shape) != expected:
+            raise ValueError(f"{names[key]} must have shape {layout} = {expected}, got {tuple(tensors[key].shape)}: "
+                             f"128x128 block quantization is required (no per-tensor, per-channel or other block sizes)")
+    return num_local_experts, hidden, intermediate
+
+
+def validate_checkpoint_weights(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                                w2_scale: torch.Tensor, *, where: Optional[str] = None) -> Tuple[int, int, int]:
+    """Check one rank's checkpoint-layout expert weights; return (E_local, H, I).
+
+    Raises TypeError/ValueError naming the offending argument; `where` (e.g. "weights[1]")
+    makes the names read `weights[1]['w13']` for callers that take dicts.
+    """
+    return _validate(w13, w13_scale, w2, w2_scale, transformed=False, where=where)
+
+
+def transform_weights(l1: WeightPair, l2: WeightPair) -> Tuple[WeightPair, WeightPair]:
+    """Checkpoint layout -> SM90 kernel layout (see the module docstring).
+
+    l1 = (w13, w13_scale), l2 = (w2, w2_scale); returns ((w13_t, w13_scale_t), (w2_t, w2_scale_t)),
+    all contiguous and on the input device.
+    """
+    w13, w13_scale = _unpack_pair(l1, "l1")
+    w2, w2_scale = _unpack_pair(l2, "l2")
+    num_local_experts, hidden, intermediate = _validate(w13, w13_scale, w2, w2_scale, transformed=False)
+    runs = intermediate // GATE_UP_INTERLEAVE
+    # [E, (gate|up), run, 8, H] -> [E, run, (gate|up), 8, H]
+    w13_t = (w13.reshape(num_local_experts, 2, runs, GATE_UP_INTERLEAVE, hidden)
+             .transpose(1, 2).reshape(num_local_experts, 2 * intermediate, hidden).contiguous())
+    # [E, (gate|up), I/128, H/128] -> [E, I/128, (gate|up), H/128]
+    w13_scale_t = (w13_scale.reshape(num_local_experts, 2, intermediate // BLOCK, hidden // BLOCK)
+                   .transpose(1, 2).contiguous())
+    return (w13_t, w13_scale_t), (w2.contiguous(), w2_scale.contiguous())
+
+
+def untransform_weights(l1: WeightPair, l2: WeightPair) -> Tuple[WeightPair, WeightPair]:
+    """Exact inverse of `transform_weights`: SM90 kernel layout -> checkpoint layout."""
+    w13_t, w13_scale_t = _unpack_pair(l1, "l1")
+    w2, w2_scale = _unpack_pair(l2, "l2")
+    num_local_experts, hidden, intermediate = _validate(w13_t, w13_scale_t, w2, w2_scale, transformed=True)
+    runs = intermediate // GATE_UP_INTERLEAVE
+    w13 = (w13_t.reshape(num_local_experts, runs, 2, GATE_UP_INTERLEAVE, hidden)
+           .transpose(1, 2).reshape(num_local_experts, 2 * intermediate, hidden).contiguous())
+    w13_scale = (w13_scale_t.transpose(1, 2)
+                 .reshape(num_local_experts, 2 * intermediate // BLOCK, hidden // BLOCK).contiguous())
+    return (w13, w13_scale), (w2.contiguous(), w2_scale.contiguous())

@@ -1,0 +1,63 @@
+"""Build script: the Python package plus the torch-independent host runtime.
+
+The runtime (`megamoe_plugin._runtime`) is plain C++ built against pybind11 and the
+CUDA driver API *headers* only; it loads libcuda at run time, so the same build works
+with any torch version and on machines without a GPU. If no CUDA headers are found
+the package still installs, and `fp8_mega_moe` raises a clear RuntimeError.
+"""
+import os
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+
+def _cuda_include_dir():
+    candidates = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(os.path.join(os.environ[var], "include"))
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "include"))
+    candidates.append("/usr/local/cuda/include")
+    for path in candidates:
+        if os.path.isfile(os.path.join(path, "cuda.h")):
+            return path
+    return None
+
+
+ext_modules = []
+cuda_include = _cuda_include_dir()
+if cuda_include is not None:
+    from pybind11.setup_helpers import Pybind11Extension
+
+    ext_modules.append(
+        Pybind11Extension(
+            "megamoe_plugin._runtime",
+            ["csrc/runtime/runtime.cpp"],
+            include_dirs=[cuda_include, "csrc"],
+            cxx_std=17,
+            extra_compile_args=["-O2", "-fvisibility=hidden"],
+            libraries=["dl"],
+        )
+    )
+else:
+    print("megamoe_plugin: no CUDA headers found; building without the GPU runtime", file=sys.stderr)
+
+setup(
+    name="megamoe_plugin",
+    version="0.1.0",
+    description="Fused expert-parallel FP8 MoE (MegaMoE) for NVIDIA Hopper, as a vLLM plugin",
+    packages=find_packages(include=["megamoe_plugin", "megamoe_plugin.*"]),
+    ext_modules=ext_modules,
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "test": ["pytest>=7"],
+        "vllm": ["vllm>=0.24"],
+        "cutlass": ["nvidia-cutlass>=3.5"],
+    },
+    entry_points={"vllm.general_plugins": ["megamoe_sm90 = megamoe_plugin.vllm_plugin:register"]},
+    zip_safe=False,
+)

@@ -1,0 +1,53 @@
+"""Shapes the single-GPU kernel tests run, and a CPU-side precompile of their variants.
+
+`python -m tests.gpu.cases` compiles every kernel variant the GPU tests will load, so
+a GPU session spends its time running, not compiling (carry MEGAMOE_CACHE_DIR along).
+"""
+import dataclasses
+import sys
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    topk: int
+    local_experts: int
+    max_tokens: int
+
+    def __str__(self):
+        return f"H{self.hidden}-I{self.intermediate}-K{self.topk}-E{self.local_experts}-N{self.max_tokens}"
+
+
+# Covers H in {2048, 4096, 7168} plus an odd multiple of 128, I in {768, 1408, 1536,
+# 2048, 3072}, K in {1, 2, 6, 8}, local experts in {1, 8, 32, 128}.
+SHAPES = [
+    Shape(2048, 768, 8, 32, 512),
+    Shape(4096, 1536, 8, 8, 300),
+    Shape(7168, 2048, 8, 32, 256),
+    Shape(4096, 2048, 6, 32, 200),
+    Shape(2048, 1408, 2, 128, 256),
+    Shape(7168, 3072, 1, 1, 64),
+    Shape(4096, 1408, 6, 8, 129),
+    Shape(2048, 3072, 2, 8, 100),
+    Shape(384, 256, 4, 4, 50),
+]
+
+
+def variants():
+    from megamoe_plugin.heuristics import default_config
+    from megamoe_plugin.jit import KernelVariant
+
+    out = []
+    for s in SHAPES:
+        cfg = default_config(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132)
+        for fast_math in (True, False):
+            out.append(KernelVariant(s.hidden, s.intermediate, s.topk, s.local_experts, 1, cfg.block_m,
+                                     cfg.num_stages, fast_math))
+    return out
+
+
+if __name__ == "__main__":
+    from megamoe_plugin.jit import check_variants
+
+    sys.exit(1 if check_variants(variants()) else 0)

@@ -1,0 +1,259 @@
+"""Config tables: schema validation, nearest-entry lookup, fallbacks, the shipped file."""
+import ast
+import copy
+import json
+import sys
+
+import pytest
+
+from megamoe_plugin import configs as c
+from megamoe_plugin.configs import (
+    REFERENCE_SHAPES,
+    REFERENCE_TOKENS_PER_RANK,
+    ShapeTable,
+    TableShape,
+    TunedEntry,
+    format_table,
+    generate_table,
+    load_table,
+    lookup_config,
+    table_path,
+    validate_table,
+)
+from megamoe_plugin.heuristics import default_config, default_num_stages
+from megamoe_plugin.paths import CONFIGS_DIR
+
+GPU = "Test GPU 80GB"
+SHAPE = {"num_local_experts": 32, "hidden": 4096, "intermediate_size": 2048, "num_topk": 8}
+
+
+def valid_table():
+    return {
+        "gpu": GPU,
+        "version": 1,
+        "note": "hand-written for the tests",
+        "tables": [{"shape": dict(SHAPE),
+                    "entries": {"1": {"block_m": 64, "num_stages": 2},
+                                "4": {"block_m": 64, "num_stages": 3},
+                                "64": {"block_m": 64, "num_stages": 4}}}],
+    }
+
+
+def write(directory, obj, gpu=GPU):
+    path = table_path(gpu, directory)
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj), encoding="utf-8")
+    return path
+
+
+def lookup(directory, num_tokens, num_topk=8, hidden=4096, num_ranks=1, num_experts=32, num_sms=132):
+    return lookup_config(GPU, num_ranks, num_experts, num_topk, hidden, 2048, num_tokens, num_sms,
+                         configs_dir=directory)
+
+
+def test_table_path_replaces_spaces():
+    assert table_path("NVIDIA H200") == CONFIGS_DIR / "NVIDIA_H200.json"
+    assert table_path("NVIDIA H100 80GB HBM3", "/x").as_posix() == "/x/NVIDIA_H100_80GB_HBM3.json"
+
+
+def test_load_table_parses_and_sorts(tmp_path):
+    obj = valid_table()
+    obj["tables"][0]["entries"] = {"64": {"num_stages": 4}, "0.5": {"block_m": 64}, "4": {"num_stages": 3}}
+    write(tmp_path, obj)
+    table = load_table(GPU, tmp_path)
+    assert (table.gpu, table.note) == (GPU, "hand-written for the tests")
+    shape = TableShape(**SHAPE)
+    assert list(table.shapes) == [shape]
+    assert table.shapes[shape] == ShapeTable(
+        expected_tokens=(0.5, 4.0, 64.0),
+        entries=(TunedEntry(64, default_num_stages(64, 32, 4096, 2048)), TunedEntry(64, 3), TunedEntry(64, 4)))
+
+
+def test_load_table_without_file_is_none(tmp_path):
+    assert load_table(GPU, tmp_path) is None
+
+
+def edit(change):
+    """A mutation that changes the table in place."""
+    return lambda table: (change(table), table)[1]
+
+
+# (mutation of a valid table, JSON path in the message, problem in the message)
+SCHEMA_ERRORS = {
+    "top not object": (lambda t: [t], "$", "expected an object, got list"),
+    "unknown top key": (edit(lambda t: t.update(tabels=[])), "$", "unknown key 'tabels'"),
+    "missing tables": (edit(lambda t: t.pop("tables")), "$", "missing key 'tables'"),
+    "gpu type": (edit(lambda t: t.update(gpu=7)), "$.gpu", "expected a non-empty string, got 7"),
+    "version value": (edit(lambda t: t.update(version=2)), "$.version", "expected 1, got 2"),
+    "version type": (edit(lambda t: t.update(version="1")), "$.version", 'expected 1, got "1"'),
+    "note type": (edit(lambda t: t.update(note=None)), "$.note", "expected a string, got null"),
+    "tables type": (edit(lambda t: t.update(tables={})), "$.tables", "expected a non-empty array"),
+    "tables empty": (edit(lambda t: t.update(tables=[])), "$.tables", "expected a non-empty array"),
+    "table unknown key": (edit(lambda t: t["tables"][0].update(name="v3")), "$.tables[0]", "unknown key 'name'"),
+    "table missing entries": (edit(lambda t: t["tables"][0].pop("entries")), "$.tables[0]", "missing key 'entries'"),
+    "shape unknown key": (edit(lambda t: t["tables"][0]["shape"].update(num_ranks=8)),
+                          "$.tables[0].shape", "unknown key 'num_ranks'"),
+    "shape missing key": (edit(lambda t: t["tables"][0]["shape"].pop("num_topk")),
+                          "$.tables[0].shape", "missing key 'num_topk'"),
+    "shape float": (edit(lambda t: t["tables"][0]["shape"].update(num_topk=8.0)),
+                    "$.tables[0].shape.num_topk", "expected an integer, got 8.0"),
+    "shape bool": (edit(lambda t: t["tables"][0]["shape"].update(num_local_experts=True)),
+                   "$.tables[0].shape.num_local_experts", "expected an integer, got true"),
+    "shape zero": (edit(lambda t: t["tables"][0]["shape"].update(num_topk=0)),
+                   "$.tables[0].shape.num_topk", "expected an integer >= 1, got 0"),
+    "hidden not 128-multiple": (edit(lambda t: t["tables"][0]["shape"].update(hidden=4000)),
+                                "$.tables[0].shape.hidden", "expected a multiple of 128 >= 128, got 4000"),
+    "duplicate shape": (edit(lambda t: t["tables"].append(copy.deepcopy(t["tables"][0]))),
+                        "$.tables[1].shape", "duplicates $.tables[0].shape"),
+    "entries type": (edit(lambda t: t["tables"][0].update(entries=[])), "$.tables[0].entries", "expected an object"),
+    "entries empty": (edit(lambda t: t["tables"][0].update(entries={})), "$.tables[0].entries", "has no entries"),
+    "key not numeric": (edit(lambda t: t["tables"][0]["entries"].update(decode={"block_m": 64})),
+                        '$.tables[0].entries["decode"]', "key must be a positive number"),
+    "key nan": (edit(lambda t: t["tables"][0]["entries"].update(nan={"block_m": 64})),
+                '$.tables[0].entries["nan"]', "key must be a positive number"),
+    "key zero": (edit(lambda t: t["tables"][0]["entries"].update({"0": {"block_m": 64}})),
+                 '$.tables[0].entries["0"]', "key must be a positive number"),
+    "key negative": (edit(lambda t: t["tables"][0]["entries"].update({"-2": {"block_m": 64}})),
+                     '$.tables[0].entries["-2"]', "key must be a positive number"),
+    "key same number": (edit(lambda t: t["tables"][0]["entries"].update({"4.0": {"block_m": 64}})),
+                        '$.tables[0].entries["4.0"]', 'same expected tokens as $.tables[0].entries["4"]'),
+    "entry type": (edit(lambda t: t["tables"][0]["entries"].update({"8": 64})),
+                   '$.tables[0].entries["8"]', "expected an object, got int"),
+    "entry empty": (edit(lambda t: t["tables"][0]["entries"].update({"8": {}})),
+                    '$.tables[0].entries["8"]', "empty entry"),
+    "entry unknown key": (edit(lambda t: t["tables"][0]["entries"]["4"].update(block_n=128)),
+                          '$.tables[0].entries["4"]', "unknown key 'block_n'"),
+    "block_m unsupported": (edit(lambda t: t["tables"][0]["entries"]["4"].update(block_m=128)),
+                            '$.tables[0].entries["4"].block_m', "128 is not an implemented tier (64,)"),
+    "block_m type": (edit(lambda t: t["tables"][0]["entries"]["4"].update(block_m="64")),
+                     '$.tables[0].entries["4"].block_m', 'expected an integer, got "64"'),
+    "num_stages below 2": (edit(lambda t: t["tables"][0]["entries"]["4"].update(num_stages=1)),
+                           '$.tables[0].entries["4"].num_stages', "expected an integer >= 2, got 1"),
+    "num_stages too many": (edit(lambda t: t["tables"][0]["entries"]["4"].update(num_stages=6)),
+                            '$.tables[0].entries["4"].num_stages',
+                            "6 stages of block_m=64 with 32 local experts need 249856 bytes of shared memory, "
+                            "more than the 232448 available"),
+}
+
+
+@pytest.mark.parametrize("case", SCHEMA_ERRORS)
+def test_validate_table_errors(case):
+    mutate, path, problem = SCHEMA_ERRORS[case]
+    with pytest.raises(ValueError) as info:
+        validate_table(mutate(valid_table()), "tables/X.json")
+    assert str(info.value).startswith(f"tables/X.json: {path}: ")
+    assert problem in str(info.value)
+
+
+def test_validate_table_accepts_the_valid_table():
+    assert validate_table(valid_table(), "x.json").gpu == GPU
+
+
+def test_load_table_errors_name_the_file(tmp_path):
+    obj = valid_table()
+    obj["tables"][0]["entries"]["4"]["num_stages"] = 1
+    path = write(tmp_path, obj)
+    with pytest.raises(ValueError, match=f'^{path}: \\$.tables\\[0\\].entries\\["4"\\].num_stages: '):
+        load_table(GPU, tmp_path)
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("{", "not valid JSON"),
+    ('{"gpu": "Test GPU 80GB", "gpu": "Test GPU 80GB", "version": 1, "tables": []}', "duplicate key 'gpu'"),
+])
+def test_load_table_rejects_bad_json(tmp_path, text, problem):
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError, match=problem) as info:
+        load_table(GPU, tmp_path)
+    assert str(info.value).startswith(str(path))
+
+
+def test_load_table_rejects_a_file_for_another_gpu(tmp_path):
+    write(tmp_path, dict(valid_table(), gpu="NVIDIA H100"))
+    with pytest.raises(ValueError, match=r"\$.gpu: 'NVIDIA H100' does not match the GPU 'Test GPU 80GB'"):
+        load_table(GPU, tmp_path)
+
+
+def test_nearest_entry_in_log_space():
+    table = validate_table(valid_table(), "x.json").shapes[TableShape(**SHAPE)]
+    stages = {x: table.nearest(x).num_stages for x in (0, 0.01, 1, 1.99, 2, 3, 15.9, 16, 40, 64, 1e9)}
+    # Entries 1 -> 2 stages, 4 -> 3, 64 -> 4; geometric midpoints 2 and 16 go to the larger entry.
+    assert stages == {0: 2, 0.01: 2, 1: 2, 1.99: 2, 2: 3, 3: 3, 15.9: 3, 16: 4, 40: 4, 64: 4, 1e9: 4}
+
+
+def test_lookup_config_uses_the_nearest_entry(tmp_path):
+    write(tmp_path, valid_table())
+    # R=1, E=32, K=8: expected tokens per expert = tokens / 4.
+    assert [lookup(tmp_path, t).num_stages for t in (0, 1, 7, 8, 63, 64, 10000)] == [2, 2, 2, 3, 3, 4, 4]
+    # EP8 with 256 experts has the same 32 local experts: the same table applies, with expected = tokens * 8 / 32.
+    assert lookup(tmp_path, 8, num_ranks=8, num_experts=256).num_stages == 3
+    config = lookup(tmp_path, 8, num_sms=100)
+    assert (config.block_m, config.num_sms, config.key()) == (64, 100, "bm64_st3_sm100")
+
+
+def test_lookup_config_fills_partial_entries_from_the_heuristic(tmp_path):
+    obj = valid_table()
+    obj["tables"][0]["entries"] = {"1": {"num_stages": 3}, "64": {"block_m": 64}}
+    write(tmp_path, obj)
+    assert (lookup(tmp_path, 4).block_m, lookup(tmp_path, 4).num_stages) == (64, 3)
+    assert lookup(tmp_path, 256).num_stages == default_num_stages(64, 32, 4096, 2048)
+
+
+def test_lookup_config_falls_back_to_the_heuristic(tmp_path):
+    write(tmp_path, valid_table())
+    for directory, num_topk, hidden in ((tmp_path / "none", 8, 4096), (tmp_path, 6, 4096), (tmp_path, 8, 7168)):
+        for tokens in (0, 8, 8192):
+            assert lookup(directory, tokens, num_topk=num_topk, hidden=hidden) == default_config(
+                1, 32, num_topk, hidden, 2048, tokens, 132)
+
+
+def test_lookup_config_reads_the_file_once(tmp_path):
+    path = write(tmp_path, valid_table())
+    first = lookup(tmp_path, 8)
+    path.unlink()
+    assert lookup(tmp_path, 8) is first
+    assert lookup(tmp_path, 256).num_stages == 4  # a new call, still served from the parsed table
+
+
+def test_default_directory_is_the_shipped_one():
+    assert load_table("NVIDIA H200") is load_table("NVIDIA H200", CONFIGS_DIR)
+    assert lookup_config("NVIDIA H200", 1, 32, 8, 7168, 2048, 128, 132) is lookup_config(
+        "NVIDIA H200", 1, 32, 8, 7168, 2048, 128, 132, configs_dir=str(CONFIGS_DIR))
+
+
+def test_shipped_table_is_what_generate_produces(capsys):
+    shipped = table_path("NVIDIA H200").read_text(encoding="utf-8")
+    assert c.main(["--generate"]) == 0
+    assert capsys.readouterr().out == shipped == format_table(generate_table())
+    table = validate_table(json.loads(shipped), "NVIDIA_H200.json")
+    assert json.loads(shipped)["note"] == "from the heuristic; replace with the tuning sweep"
+    assert set(table.shapes) == set(REFERENCE_SHAPES.values())
+    for shape, entries in table.shapes.items():
+        assert entries.expected_tokens == tuple(t * shape.num_topk / 32 for t in REFERENCE_TOKENS_PER_RANK)
+
+
+def test_shipped_table_serves_every_reference_point():
+    table = load_table("NVIDIA H200")
+    for name, shape in REFERENCE_SHAPES.items():
+        for ranks in (1, 8):
+            for tokens in REFERENCE_TOKENS_PER_RANK:
+                config = lookup_config("NVIDIA H200", ranks, ranks * shape.num_local_experts, shape.num_topk,
+                                       shape.hidden, shape.intermediate_size, tokens, 132)
+                expected = tokens * shape.num_topk / shape.num_local_experts
+                assert expected in table.shapes[shape].expected_tokens, name
+                assert (config.block_m, config.num_stages) == table.shapes[shape].nearest(expected), name
+
+
+def test_generate_writes_output(tmp_path, capsys):
+    out = tmp_path / "gen.json"
+    assert c.main(["--generate", "--gpu", "NVIDIA H100 80GB HBM3", "--output", str(out)]) == 0
+    assert json.loads(out.read_text(encoding="utf-8")) == generate_table("NVIDIA H100 80GB HBM3")
+    assert capsys.readouterr().out == ""
+
+
+def test_module_imports_only_the_standard_library():
+    tree = ast.parse(open(c.__file__, encoding="utf-8").read())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.level == 0}
+    assert imported <= set(sys.stdlib_module_names) | {"__future__"}

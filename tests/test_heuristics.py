@@ -1,0 +1,223 @@
+"""Invariants of the launch heuristics over the shape limits of DESIGN.md section 2."""
+import ast
+import itertools
+import math
+import random
+import sys
+
+import pytest
+
+from megamoe_plugin import heuristics as h
+from megamoe_plugin.heuristics import (
+    BLOCK_M_TIERS,
+    MAX_STAGES,
+    MIN_STAGES,
+    SMEM_LIMIT,
+    SUPPORTED_BLOCK_M,
+    KernelConfig,
+    default_config,
+    default_num_stages,
+    expected_tokens_per_expert,
+    max_pipeline_stages,
+    num_experts_per_wave,
+    select_block_m,
+    smem_bytes,
+)
+
+# Section 2 limits.
+DIMS = range(128, 16384 + 1, 128)
+TOPKS = range(1, 17)
+LOCAL_EXPERTS = range(1, 513)
+RANKS = (1, 2, 4, 8)
+MAX_TOKENS = 16384
+SM_COUNTS = (1, 7, 66, 78, 114, 132)
+ALL_TIER_SETS = [s for n in range(1, len(BLOCK_M_TIERS) + 1) for s in itertools.combinations(BLOCK_M_TIERS, n)]
+
+
+def random_shapes(count, seed=0):
+    """(R, E, K, H, I, tokens) across the limits, corners first."""
+    yield from [(1, 1, 1, 128, 128, 0), (8, 8 * 512, 16, 16384, 16384, MAX_TOKENS),
+                (8, 8, 16, 128, 16384, MAX_TOKENS), (1, 512, 1, 16384, 128, 1)]
+    rng = random.Random(seed)
+    for _ in range(count):
+        ranks = rng.choice(RANKS)
+        yield (ranks, ranks * rng.choice(LOCAL_EXPERTS), rng.choice(TOPKS), rng.choice(DIMS), rng.choice(DIMS),
+               rng.choice((0, 1, MAX_TOKENS, rng.randint(0, MAX_TOKENS))))
+
+
+def test_expected_tokens_per_expert():
+    assert expected_tokens_per_expert(8, 8, 8, 256) == 2.0
+    assert expected_tokens_per_expert(1, 1, 6, 32) == 0.1875
+    assert expected_tokens_per_expert(0, 4, 16, 512) == 0.0
+
+
+@pytest.mark.parametrize("args, name", [((-1, 1, 1, 1), "num_tokens"), ((1, 0, 1, 1), "num_ranks"),
+                                        ((1, 1, 0, 1), "num_topk"), ((1, 1, 1, 0), "num_experts")])
+def test_expected_tokens_per_expert_rejects(args, name):
+    with pytest.raises(ValueError, match=name):
+        expected_tokens_per_expert(*args)
+
+
+def test_select_block_m_preferred_tiers():
+    all_tiers = BLOCK_M_TIERS
+    assert [select_block_m(x, all_tiers) for x in (0, 1, 16, 16.5, 64, 64.5, 8192)] == [32, 32, 32, 64, 64, 128, 128]
+
+
+def test_select_block_m_nearest_supported():
+    assert all(select_block_m(x, (64,)) == 64 for x in (0, 16, 64, 1e6))
+    assert [select_block_m(x, (32, 128)) for x in (16, 17, 64, 65)] == [32, 128, 128, 128]  # 64 wanted: tie -> larger
+    assert [select_block_m(x, (64, 128)) for x in (0, 64, 65)] == [64, 64, 128]
+    assert [select_block_m(x, (32,)) for x in (0, 1e6)] == [32, 32]
+
+
+def test_select_block_m_defaults_to_implemented_tiers():
+    assert SUPPORTED_BLOCK_M == (64,)
+    assert select_block_m(0) == select_block_m(1e6) == 64
+
+
+def test_select_block_m_supported_and_monotone():
+    grid = sorted({0.0, 16.0, 64.0, *(x / 8 for x in range(0, 2000)),
+                   *(MAX_TOKENS * r * k / e for r in RANKS for k in TOPKS for e in (r, r * 32, r * 512))})
+    for tiers in ALL_TIER_SETS:
+        chosen = [select_block_m(x, tiers) for x in grid]
+        assert set(chosen) <= set(tiers)
+        assert chosen == sorted(chosen), tiers
+
+
+@pytest.mark.parametrize("expected, tiers", [(-1, None), (1, ()), (1, (48,)), (1, (64, 256))])
+def test_select_block_m_rejects(expected, tiers):
+    with pytest.raises(ValueError):
+        select_block_m(expected, tiers)
+
+
+def test_smem_bytes_worked_example():
+    # Stage: 64*128 A + 256*128 B = 40960 (40 KiB, already 1024-aligned).
+    # Fixed: 1024 barriers + 2*2*64*4 amax + (3*32+1)*4 expert tables = 2436 -> 3072, + 1024 alignment.
+    assert smem_bytes(64, 5, 32) == 5 * 40960 + 4096 == 208896
+    assert max_pipeline_stages(64, 32) == 5
+
+
+@pytest.mark.parametrize("block_m", BLOCK_M_TIERS)
+def test_stages_are_1024_aligned_and_hold_their_tiles(block_m):
+    stage = smem_bytes(block_m, 2, 1) - smem_bytes(block_m, 1, 1)
+    assert stage % 1024 == 0
+    assert block_m * 128 + 256 * 128 <= stage < block_m * 128 + 256 * 128 + 1024
+
+
+def test_max_pipeline_stages_fits_for_every_tier_and_expert_count():
+    for block_m, experts in itertools.product(BLOCK_M_TIERS, LOCAL_EXPERTS):
+        stages = max_pipeline_stages(block_m, experts)
+        assert stages >= MIN_STAGES
+        assert smem_bytes(block_m, stages, experts) <= SMEM_LIMIT < smem_bytes(block_m, stages + 1, experts)
+
+
+def test_max_pipeline_stages_refuses_fewer_than_two():
+    limit = smem_bytes(64, 2, 32) - 1
+    assert max_pipeline_stages(64, 32, smem_limit=limit + 1) == 2
+    with pytest.raises(ValueError, match="only 1 pipeline stage.*at least 2"):
+        max_pipeline_stages(64, 32, smem_limit=limit)
+    with pytest.raises(ValueError, match="only 0 pipeline stage"):
+        max_pipeline_stages(64, 32, smem_limit=100)
+
+
+@pytest.mark.parametrize("args", [(48, 2, 1), (64, 0, 1), (64, 2, 0)])
+def test_smem_bytes_rejects(args):
+    with pytest.raises(ValueError):
+        smem_bytes(*args)
+
+
+def test_default_num_stages_caps():
+    assert default_num_stages(64, 32, 7168, 2048) == 5  # what fits
+    assert default_num_stages(64, 32, 2048, 768) == 5  # 6 k-blocks: fit binds first
+    assert default_num_stages(64, 32, 4096, 384) == 3  # 3 k-blocks
+    assert default_num_stages(64, 32, 128, 128) == MIN_STAGES  # 1 k-block, but never below 2
+    assert default_num_stages(32, 1, 16384, 16384, smem_limit=1 << 30) == MAX_STAGES
+
+
+def test_kernel_config_key_and_fields():
+    config = KernelConfig(block_m=64, num_stages=5, num_sms=132)
+    assert config.key() == "bm64_st5_sm132"
+    assert (config.block_n, config.block_k) == (256, 128)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_m=128, num_stages=4, num_sms=132), "block_m"),
+    (dict(block_m=64, num_stages=1, num_sms=132), "num_stages"),
+    (dict(block_m=64, num_stages=5, num_sms=0), "num_sms"),
+    (dict(block_m=64, num_stages=5, num_sms=132, block_n=128), "block_n"),
+])
+def test_kernel_config_rejects(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        KernelConfig(**kwargs)
+
+
+def test_kernel_config_keys_are_distinct_and_file_name_safe():
+    configs = [KernelConfig(block_m=64, num_stages=s, num_sms=n) for s in range(2, 9) for n in (1, 13, 132)]
+    keys = [c.key() for c in configs]
+    assert len(set(keys)) == len(keys)
+    assert all(k.replace("_", "").isalnum() for k in keys)
+
+
+def test_default_config_invariants_across_limits():
+    for ranks, experts, topk, hidden, inter, tokens in random_shapes(3000):
+        local = experts // ranks
+        config = default_config(ranks, experts, topk, hidden, inter, tokens, 132)
+        assert config.block_m in SUPPORTED_BLOCK_M
+        assert config.block_m == select_block_m(expected_tokens_per_expert(tokens, ranks, topk, experts))
+        assert MIN_STAGES <= config.num_stages <= MAX_STAGES
+        assert config.num_stages <= max(MIN_STAGES, min(hidden, inter) // 128)
+        assert smem_bytes(config.block_m, config.num_stages, local) <= SMEM_LIMIT
+        assert config.num_sms == 132
+
+
+@pytest.mark.parametrize("args, message", [
+    ((3, 32, 8, 7168, 2048, 8, 132), "multiple of num_ranks"),
+    ((1, 32, 8, 7000, 2048, 8, 132), "hidden"),
+    ((1, 32, 8, 7168, 0, 8, 132), "intermediate_size"),
+    ((1, 32, 8, 7168, 2048, -1, 132), "num_tokens"),
+    ((1, 32, 8, 7168, 2048, 8, 0), "num_sms"),
+])
+def test_default_config_rejects(args, message):
+    with pytest.raises(ValueError, match=message):
+        default_config(*args)
+
+
+def test_num_experts_per_wave_examples():
+    # v3 at 8 tokens/rank, EP1: 2 rows per expert -> 1 m-block x 16 n-blocks; 132 SMs need 9 experts -> 16 | 32.
+    assert num_experts_per_wave(32, 2.0, 132, 64, 2048) == 16
+    # 2048 rows per expert -> 32 x 16 = 512 tiles: one expert already fills the GPU.
+    assert num_experts_per_wave(32, 2048.0, 132, 64, 2048) == 1
+    # Too little work in all experts together: one wave of everything.
+    assert num_experts_per_wave(4, 0.0, 132, 64, 128) == 4
+    # Prime expert count: the only divisors are 1 and the count itself.
+    assert num_experts_per_wave(7, 1.0, 20, 64, 512) == 7
+
+
+def test_num_experts_per_wave_divides_fills_and_is_minimal():
+    rng = random.Random(1)
+    for local in LOCAL_EXPERTS:
+        for _ in range(6):
+            expected = rng.choice((0.0, 0.3, 1.0, 63.9, 64.0, 65.0, rng.uniform(0, 2000)))
+            sms, block_m, inter = rng.choice(SM_COUNTS), rng.choice(BLOCK_M_TIERS), rng.choice(DIMS)
+            wave = num_experts_per_wave(local, expected, sms, block_m, inter)
+            tiles = max(1, math.ceil(expected / block_m)) * (2 * inter // 256)
+            assert 1 <= wave <= local and local % wave == 0
+            assert wave == local or wave * tiles >= sms
+            smaller = [d for d in range(1, wave) if local % d == 0]
+            assert not smaller or smaller[-1] * tiles < sms
+
+
+@pytest.mark.parametrize("args", [(0, 1.0, 132, 64, 2048), (32, -1.0, 132, 64, 2048), (32, 1.0, 0, 64, 2048),
+                                  (32, 1.0, 132, 96, 2048), (32, 1.0, 132, 64, 1000)])
+def test_num_experts_per_wave_rejects(args):
+    with pytest.raises(ValueError):
+        num_experts_per_wave(*args)
+
+
+def test_module_imports_only_the_standard_library():
+    tree = ast.parse(open(h.__file__, encoding="utf-8").read())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.level == 0}
+    assert imported <= set(sys.stdlib_module_names) | {"__future__"}

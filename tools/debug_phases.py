@@ -1,0 +1,103 @@
+"""Runs the kernel phase by phase on one small case and checks each phase's output
+against the reference's intermediates (DESIGN.md section 2 steps).
+
+    python3 tools/debug_phases.py [H I K E N] [--phases 2,4,5,6,0]
+"""
+import argparse
+import math
+
+import torch
+
+import megamoe_plugin as mm
+from megamoe_plugin.fp8 import dequantize_per_token_group
+from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("shape", nargs="*", type=int, default=[2048, 768, 8, 8, 33])
+    parser.add_argument("--phases", default="2,4,5,6,0")
+    args = parser.parse_args()
+    H, I, K, E, N = args.shape
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    layer = random_layer(E, H, I, "cuda", gen)
+    buf = mm.get_symm_buffer(None, E, N, K, H, I)
+    inputs = random_inputs(N, H, E, K, "uniform", "cuda", gen)
+    fill_buffer(buf, inputs)
+    ranks = [{k: v for k, v in inputs.items() if k != "hidden_states"}]
+    ys, inter = mm.reference.mega_moe(ranks, [layer.checkpoint], E, return_intermediates=True)
+    idx = inputs["topk_idx"]
+    counts = torch.bincount(idx[idx >= 0], minlength=E)
+    starts = torch.cumsum(counts, 0) - counts
+    P = buf.shape.pool_capacity
+
+    for phase in [int(p) for p in args.phases.split(",")]:
+        for name in ("send_count", "send_cursor"):
+            buf.view(name).zero_()
+        y = torch.full((N, H), math.nan, dtype=torch.bfloat16, device="cuda")
+        mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, _stop_after_phase=phase)
+        mm.ops.synchronize()
+        print(f"--- phase {phase or 'all'} ran")
+        if phase == 2:
+            assert torch.equal(buf.view("send_count").long(), counts), "send_count wrong"
+            offs = buf.view("send_offset").long()
+            lst = buf.view("send_list")
+            for e in range(E):
+                got = sorted(lst[offs[e]: offs[e] + counts[e]].tolist())
+                want = sorted(torch.nonzero(idx.reshape(-1) == e).squeeze(1).tolist())
+                assert got == want, f"send list of expert {e} wrong"
+            print("send side ok")
+        if phase == 4:
+            src = buf.view("pool_src")
+            for e in range(E):
+                rows = slice(int(starts[e]), int(starts[e] + counts[e]))
+                entries = src[rows, 1].long()
+                assert bool((src[rows, 0] == 0).all()), f"pool_src rank wrong for expert {e}"
+                assert sorted(entries.tolist()) == sorted(torch.nonzero(idx.reshape(-1) == e).squeeze(1).tolist())
+                tok = entries // K
+                assert torch.equal(buf.view("pool_x")[rows].view(torch.uint8), inputs["x"][tok].view(torch.uint8))
+                assert torch.equal(buf.view("pool_sf")[:, rows].T, inputs["x_sf"][tok])
+                assert torch.equal(buf.view("pool_weight")[rows], inputs["topk_weights"].reshape(-1)[entries])
+            print("pool ok")
+        if phase in (5, 6):
+            src = buf.view("pool_src")
+            worst = 0.0
+            all_rows = []
+            for e in range(E):
+                n_e = int(counts[e])
+                if n_e == 0:
+                    continue
+                rows = slice(int(starts[e]), int(starts[e] + n_e))
+                entries = src[rows, 1].long()
+                ref_src = inter[e]["src"]
+                ref_entries = ref_src[:, 1] * K + ref_src[:, 2]
+                order = torch.argsort(ref_entries)
+                pos = torch.searchsorted(ref_entries[order], entries)
+                ref_rows = order[pos]
+                if phase == 5:
+                    act = dequantize_per_token_group(buf.view("act")[rows], buf.view("act_sf")[:, rows].T.contiguous())
+                    ref = inter[e]["act"][ref_rows]
+                else:
+                    act = buf.view("combine").view(-1, H)[entries].float()
+                    ref = inter[e]["l2_out"][ref_rows]
+                rel = float((act - ref).norm() / ref.norm().clamp_min(1e-30))
+                worst = max(worst, rel)
+                if phase == 6:
+                    row_rel = (act - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
+                    all_rows.append(row_rel)
+                    for r in torch.nonzero(row_rel > 0.02).squeeze(1).tolist()[:3]:
+                        print(f"  expert {e} pool row {r} (tile row {r % 64}) entry {int(entries[r])}: rel {float(row_rel[r]):.3e}")
+                if rel > 0.05:
+                    print(f"expert {e}: rel err {rel:.3e}; first row got {act[0, :8].tolist()} want {ref[0, :8].tolist()}")
+            print(f"phase {phase} worst expert rel err {worst:.3e}")
+            if all_rows:
+                q = torch.cat(all_rows)
+                print("  per-row rel err quantiles 50/90/99/max:",
+                      [f"{float(q.quantile(t)):.2e}" for t in (0.5, 0.9, 0.99)], f"{float(q.max()):.2e}")
+        if phase == 0:
+            mm.reference.check_close(y, ys[0])
+            print("y ok", mm.reference.calc_diff(y, ys[0]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One GPU-machine call: install the package, run the GPU tests, then the benchmark.
+# Usage (device tool, carry [".jitcache", ".whl"]): bash tools/gpu_check.sh [pytest args...]
+# Env: BENCH_ARGS (passed to benchmarks/bench_kernel.py; BENCH=0 skips it), TEST=0 skips tests.
+set -u -o pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export MEGAMOE_CACHE_DIR="$PWD/.jitcache" MEGAMOE_TIMEOUT_S="${MEGAMOE_TIMEOUT_S:-10}"
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  export MEGAMOE_CUTLASS_INCLUDE=/tmp/site/cutlass_library/source/include
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+rc=0
+if [ "${TEST:-1}" != 0 ]; then
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -s -rs --timeout 300 tests/gpu tests/test_staging.py "$@" 2>&1 | tee "$OUT/tests.log"; rc=$?
+fi
+if [ "${BENCH:-1}" != 0 ]; then
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_kernel.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
+ls "$MEGAMOE_CACHE_DIR" | grep -v "^\." | sort > "$OUT/jitcache_after.txt"
+exit $rc
