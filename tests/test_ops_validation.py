@@ -1,0 +1,96 @@
+"""Every bad call of the public API raises a clear error naming the argument, before
+anything is launched; without an SM90 GPU a valid call raises RuntimeError."""
+import pytest
+import torch
+
+import megamoe_plugin as mm
+from megamoe_plugin.testing import random_layer
+
+E, N, K, H, I = 4, 16, 2, 256, 256
+
+
+@pytest.fixture(scope="module")
+def setup():
+    gen = torch.Generator().manual_seed(0)
+    layer = random_layer(E, H, I, "cpu", gen)
+    buf = mm.get_symm_buffer(None, E, N, K, H, I, device="cpu")
+    return layer, buf
+
+
+def y_of(n=4, **kw):
+    return torch.zeros(n, kw.get("hidden", H), dtype=kw.get("dtype", torch.bfloat16))
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(num_experts=0), ValueError, "num_experts"),
+    (dict(num_topk=0), ValueError, "num_topk"),
+    (dict(num_topk=17), ValueError, "num_topk"),
+    (dict(hidden=200), ValueError, "hidden"),
+    (dict(intermediate_size=100), ValueError, "intermediate_size"),
+    (dict(num_max_tokens_per_rank=0), ValueError, "num_max_tokens_per_rank"),
+    (dict(num_experts=513), ValueError, "at most 512 experts per rank"),
+    (dict(hidden=256.0), TypeError, "hidden must be an int"),
+])
+def test_buffer_shape_errors(kwargs, exc, match):
+    args = dict(num_experts=E, num_max_tokens_per_rank=N, num_topk=K, hidden=H, intermediate_size=I)
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        mm.get_symm_buffer(None, device="cpu", **args)
+    with pytest.raises(exc, match=match):
+        mm.get_symm_buffer_size(1, **args)
+
+
+def test_buffer_views_and_size():
+    buf = mm.get_symm_buffer(None, E, N, K, H, I, device="cpu")
+    assert buf.x.shape == (N, H) and buf.x.dtype == torch.float8_e4m3fn
+    assert buf.x_sf.shape == (N, H // 128) and buf.topk_idx.dtype == torch.int64
+    assert buf.topk_weights.shape == (N, K)
+    assert mm.get_symm_buffer_size(1, E, N, K, H, I) == buf.storage.numel()
+
+
+def _bad_cases(layer, buf):
+    l1, l2 = layer.l1, layer.l2
+    w13, s13 = l1
+    w2, s2 = l2
+    return [
+        ("y", dict(y=y_of(dtype=torch.float16)), ValueError, "y must be torch.bfloat16"),
+        ("y shape", dict(y=y_of(hidden=128)), ValueError, r"y must have shape \[num_tokens, hidden=256\]"),
+        ("y too many tokens", dict(y=y_of(n=N + 1)), ValueError, "more than the buffer's num_max_tokens_per_rank"),
+        ("y non-contiguous", dict(y=torch.zeros(H, 4, dtype=torch.bfloat16).t()), ValueError, "y must be contiguous"),
+        ("y not a tensor", dict(y=[1, 2]), TypeError, "y must be a torch.Tensor"),
+        ("l1 pair", dict(l1=w13), TypeError, "l1 must be a \\(weight, scale\\) pair"),
+        ("l1 dtype", dict(l1=(w13.float(), s13)), ValueError, "l1 weight"),
+        ("l1 checkpoint scale", dict(l1=(w13, torch.ones(E, 2 * I // 128, H // 128))), ValueError,
+         "transformed layout"),
+        ("l2 shape", dict(l2=(w2[:, :128].contiguous(), s2)), ValueError, "l2 weight"),
+        ("buf", dict(buf=object()), TypeError, "buf must be a SymmBuffer"),
+        ("clamp type", dict(activation_clamp="3"), TypeError, "activation_clamp"),
+        ("clamp value", dict(activation_clamp=-1.0), ValueError, "activation_clamp must be a finite positive"),
+        ("fast_math", dict(fast_math=1), TypeError, "fast_math must be a bool"),
+        ("stats dtype", dict(cumulative_local_expert_recv_stats=torch.zeros(E, dtype=torch.int64)), ValueError,
+         "cumulative_local_expert_recv_stats must be torch.int32"),
+        ("stats shape", dict(cumulative_local_expert_recv_stats=torch.zeros(E + 1, dtype=torch.int32)), ValueError,
+         "cumulative_local_expert_recv_stats must have shape"),
+    ]
+
+
+def test_bad_calls_name_the_argument(setup):
+    layer, buf = setup
+    for name, override, exc, match in _bad_cases(layer, buf):
+        args = dict(y=y_of(), l1=layer.l1, l2=layer.l2, buf=buf)
+        args.update(override)
+        with pytest.raises(exc, match=match):
+            mm.fp8_mega_moe(args.pop("y"), args.pop("l1"), args.pop("l2"), args.pop("buf"), **args)
+
+
+def test_weights_from_another_buffer_shape_are_refused(setup):
+    layer, _ = setup
+    other = mm.get_symm_buffer(None, E, N, K, H + 128, I, device="cpu")
+    with pytest.raises(ValueError, match=r"l1 weight \(w13\) must have shape \[4, 512, 384\]"):
+        mm.fp8_mega_moe(torch.zeros(1, H + 128, dtype=torch.bfloat16), layer.l1, layer.l2, other)
+
+
+def test_valid_call_without_sm90_gpu_raises_runtime_error(setup):
+    layer, buf = setup
+    with pytest.raises(RuntimeError, match="SM90"):
+        mm.fp8_mega_moe(y_of(), layer.l1, layer.l2, buf)
