@@ -153,8 +153,10 @@ class SymmBuffer:
     """
 
     def __init__(self, shape: BufferShape, storage: torch.Tensor, rank: int, peer_ptrs: Tuple[int, ...],
-                 group=None, symm_handle=None):
+                 group=None, symm_handle=None, num_sms: Optional[int] = None):
         self.shape = shape
+        # CTAs of this rank's persistent grid; None: every SM (or MEGAMOE_NUM_SMS).
+        self.num_sms = num_sms
         self.layout = BufferLayout(shape)
         self.storage = storage
         self.rank = rank
@@ -187,6 +189,20 @@ class SymmBuffer:
         return (f"SymmBuffer(rank={self.rank}/{s.num_ranks}, experts={s.num_experts}, "
                 f"max_tokens={s.num_max_tokens_per_rank}, topk={s.num_topk}, hidden={s.hidden}, "
                 f"intermediate={s.intermediate_size}, bytes={self.layout.total_bytes}, device={self.device})")
+
+
+def get_local_rank_buffers(num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_topk: int,
+                           hidden: int, intermediate_size: int, device=None) -> Tuple[SymmBuffer, ...]:
+    """R ranks' buffers on one GPU, for testing the cross-rank protocol without more GPUs:
+    rank r's kernel must run concurrently with the others (its own stream) on its share of
+    the SMs, which each buffer's `num_sms` records."""
+    shape = BufferShape(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size)
+    layout = BufferLayout(shape)
+    device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
+    storages = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(num_ranks)]
+    peer_ptrs = tuple(s.data_ptr() for s in storages)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count // num_ranks
+    return tuple(SymmBuffer(shape, storage, r, peer_ptrs, num_sms=sms) for r, storage in enumerate(storages))
 
 
 def get_symm_buffer(group, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,

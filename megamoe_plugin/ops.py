@@ -52,7 +52,7 @@ def synchronize() -> None:
     """torch.cuda.synchronize(), turning a kernel timeout into a RuntimeError that names the wait."""
     try:
         torch.cuda.synchronize()
-    except RuntimeError as exc:
+    except Exception as exc:  # torch raises RuntimeError or its AcceleratorError
         reason = kernel_error()
         if reason is not None:
             raise RuntimeError(reason) from exc
@@ -88,7 +88,8 @@ def _unpack_pair(pair, name: str) -> WeightPair:
     return pair[0], pair[1]
 
 
-def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats) -> None:
+def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats,
+                  config_num_tokens=None) -> None:
     """Every check of a call, before anything is launched (DESIGN.md section 3)."""
     if not isinstance(buf, SymmBuffer):
         raise TypeError(f"buf must be a SymmBuffer from get_symm_buffer, got {type(buf).__name__}")
@@ -117,6 +118,9 @@ def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_
         raise TypeError(f"fast_math must be a bool, got {type(fast_math).__name__}")
     if cumulative_local_expert_recv_stats is not None:
         _check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", torch.int32, (el,), dev)
+    if config_num_tokens is not None and (isinstance(config_num_tokens, bool) or not isinstance(config_num_tokens, int)
+                                          or config_num_tokens < 0):
+        raise ValueError(f"config_num_tokens must be a non-negative int or None, got {config_num_tokens!r}")
 
 
 def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool) -> KernelVariant:
@@ -124,7 +128,7 @@ def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool) -> KernelV
 
     s = buf.shape
     cfg = lookup_config(_device_name(buf.device), s.num_ranks, s.num_experts, s.num_topk, s.hidden,
-                        s.intermediate_size, num_tokens, _num_sms(buf.device))
+                        s.intermediate_size, num_tokens, _grid_size(buf))
     return KernelVariant(s.hidden, s.intermediate_size, s.num_topk, s.num_experts, s.num_ranks, cfg.block_m,
                          cfg.num_stages, fast_math)
 
@@ -140,9 +144,13 @@ def _device_name(device: torch.device) -> str:
     return _device_names[idx]
 
 
-def _num_sms(device: torch.device) -> int:
-    """CTAs of the persistent grid: every SM unless MEGAMOE_NUM_SMS reserves some.
-    All CTAs must be resident at once (grid barriers), so leave SMs to concurrent kernels here."""
+def _grid_size(buf: SymmBuffer) -> int:
+    """CTAs of the persistent grid: the buffer's share of SMs if it has one, else every SM
+    unless MEGAMOE_NUM_SMS reserves some. All CTAs must be resident at once (grid
+    barriers), so leave SMs to concurrent kernels here."""
+    if buf.num_sms is not None:
+        return buf.num_sms
+    device = buf.device
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _device_sms:
         total = torch.cuda.get_device_properties(idx).multi_processor_count
@@ -205,21 +213,23 @@ def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Ite
 def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer,
                  activation_clamp: Optional[float] = None, fast_math: bool = True,
                  cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                 _stop_after_phase: int = 0) -> torch.Tensor:
+                 config_num_tokens: Optional[int] = None, _stop_after_phase: int = 0) -> torch.Tensor:
     """The fused MoE of DESIGN.md section 2 for this rank's first y.shape[0] tokens,
     whose inputs the caller wrote into buf.x / x_sf / topk_idx / topk_weights.
     Every rank of the buffer's group calls it each step (also with 0 tokens). Writes y.
 
+    `config_num_tokens` is the token count the kernel variant is chosen by (default
+    y.shape[0]); pass a value equal on every rank (vLLM: the DP-padded batch size).
     `_stop_after_phase` is for phase-by-phase kernel debugging (csrc/megamoe/kernel.cuh
     numbers the phases); a stopped call leaves the send counters for the caller to zero."""
-    validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats)
+    validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats, config_num_tokens)
     _require_sm90(buf.device)
     num_tokens = y.shape[0]
-    variant = select_variant(buf, num_tokens, fast_math)
+    variant = select_variant(buf, num_tokens if config_num_tokens is None else config_num_tokens, fast_math)
     kernel = _kernel_handle(buf.device, variant)
     params = _params_handle(buf, tuple(l1), tuple(l2), variant.block_m)
     stats = cumulative_local_expert_recv_stats
     _runtime().launch(kernel, params, y.data_ptr(), num_tokens, 0 if stats is None else stats.data_ptr(),
-                      math.inf if activation_clamp is None else float(activation_clamp), _num_sms(buf.device),
+                      math.inf if activation_clamp is None else float(activation_clamp), _grid_size(buf),
                       NUM_THREADS, torch.cuda.current_stream(buf.device).cuda_stream, _stop_after_phase)
     return y

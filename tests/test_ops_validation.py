@@ -71,6 +71,7 @@ def _bad_cases(layer, buf):
          "cumulative_local_expert_recv_stats must be torch.int32"),
         ("stats shape", dict(cumulative_local_expert_recv_stats=torch.zeros(E + 1, dtype=torch.int32)), ValueError,
          "cumulative_local_expert_recv_stats must have shape"),
+        ("config_num_tokens", dict(config_num_tokens=-1), ValueError, "config_num_tokens must be a non-negative int"),
     ]
 
 

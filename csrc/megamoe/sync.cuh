@@ -28,14 +28,19 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   __builtin_unreachable();
 }
 
-// Polls `done()` until it is true; fails with `code` after the timeout.
+// Polls `done()` until it is true; fails with `code` after `timeout_scale` timeouts.
+// A wait that depends on another bounded wait gets the larger scale, so the wait that
+// is really stuck reports first (e.g. CTAs held at a grid barrier while CTA 0 waits
+// for a missing peer report the peer, not the grid barrier).
 template <typename Done>
-__device__ __forceinline__ void bounded_wait(const KernelParams& p, uint32_t code, Done done) {
+__device__ __forceinline__ void bounded_wait(const KernelParams& p, uint32_t code, Done done,
+                                             uint32_t timeout_scale = 1) {
   if (done()) return;
   const uint64_t start = global_timer_ns();
+  const uint64_t limit = p.timeout_ns * timeout_scale;
   for (uint32_t i = 1;; ++i) {
     if (done()) return;
-    if ((i & 255) == 0 && global_timer_ns() - start > p.timeout_ns) fail(p, code);
+    if ((i & 255) == 0 && global_timer_ns() - start > limit) fail(p, code);
   }
 }
 
@@ -69,7 +74,7 @@ __device__ __forceinline__ void grid_sync(const KernelParams& p, int* signals) {
     int* counter = signals + kSigGridBarrier;
     const int old = atomic_add_release_gpu(counter, 1);
     const int target = (old / (int)gridDim.x + 1) * (int)gridDim.x;
-    bounded_wait(p, kErrGridBarrierTimeout, [&] { return ld_acquire_gpu(counter) - target >= 0; });
+    bounded_wait(p, kErrGridBarrierTimeout, [&] { return ld_acquire_gpu(counter) - target >= 0; }, 2);
   }
   __syncthreads();
 }
