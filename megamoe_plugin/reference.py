@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -132,7 +132,7 @@ def _validate(ranks, weights, num_experts, activation_clamp, requant_group) -> T
 
 def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[str, torch.Tensor]],
              num_experts: int, activation_clamp: Optional[float] = None, requant_group: int = 128,
-             return_intermediates: bool = False):
+             return_intermediates: bool = False, l1_gemm: Optional[Callable] = None):
     """Float32 reference of DESIGN.md section 2 for R = len(ranks) ranks in one process.
 
     ranks[r]:   {x fp8 [T_r, H], x_sf f32 [T_r, H/128], topk_idx i64 [T_r, K] in [-1, E),
@@ -140,6 +140,10 @@ def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[st
     weights[r]: {w13 fp8 [E/R, 2I, H], w13_scale f32 [E/R, 2I/128, H/128],
                  w2 fp8 [E/R, H, I], w2_scale f32 [E/R, H/128, I/128]} (checkpoint layout)
     Global expert e lives on rank e // (E/R) as local expert e % (E/R).
+
+    l1_gemm, if given, replaces step 1's exact GEMM: l1_gemm(x, x_sf, w13, w13_scale) ->
+    float32 [rows, 2I] from the FP8 operands of one expert (used to judge a kernel against
+    the FP8 tensor cores' own accumulation numerics, see megamoe_plugin.testing).
 
     Returns ys, the list of bf16 [T_r, H] outputs, on the inputs' device. With
     return_intermediates=True returns (ys, intermediates): one dict per global expert e
@@ -157,6 +161,9 @@ def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[st
 
     # All ranks' tokens stacked rank-major; entry t * K + k is slot k of stacked token t.
     a = torch.cat([dequantize_per_token_group(inputs["x"], inputs["x_sf"], INPUT_GROUP) for inputs in ranks])
+    if l1_gemm is not None:
+        x_all = torch.cat([inputs["x"] for inputs in ranks])
+        x_sf_all = torch.cat([inputs["x_sf"] for inputs in ranks])
     entry_expert = torch.cat([inputs["topk_idx"] for inputs in ranks]).reshape(-1)
     entry_weight = torch.cat([inputs["topk_weights"] for inputs in ranks]).reshape(-1)
     source_rank = torch.cat([torch.full((n,), r, dtype=torch.int64, device=device)
@@ -178,7 +185,10 @@ def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[st
         local = expert % num_local_experts
         tokens = entries // topk
 
-        l1_out = _matmul_nt(a[tokens], dequantize_weight_blocks(w["w13"][local], w["w13_scale"][local]))
+        if l1_gemm is None:
+            l1_out = _matmul_nt(a[tokens], dequantize_weight_blocks(w["w13"][local], w["w13_scale"][local]))
+        else:
+            l1_out = l1_gemm(x_all[tokens], x_sf_all[tokens], w["w13"][local], w["w13_scale"][local])
         gate, up = l1_out[:, :intermediate], l1_out[:, intermediate:]
         if activation_clamp is not None:
             gate = gate.clamp(max=activation_clamp)

@@ -391,3 +391,22 @@ def test_speed_4096_tokens_32_experts_h4096_i2048_k8():
     assert y.shape == (tokens, hidden) and y.dtype == torch.bfloat16
     assert torch.isfinite(y.float()).all() and (y != 0).float().mean() > 0.99
     assert idle_core_seconds < 30, f"reference took {cpu:.1f} s CPU on {torch.get_num_threads()} threads"
+
+
+def test_l1_gemm_hook_replaces_step_one_only():
+    """Passing the exact GEMM as l1_gemm reproduces the default; a scaled one changes y."""
+    from megamoe_plugin.fp8 import dequantize_per_token_group, dequantize_weight_blocks
+    from megamoe_plugin.testing import random_inputs, random_layer
+
+    gen = torch.Generator().manual_seed(3)
+    layer = random_layer(4, 256, 128, "cpu", gen)
+    inputs = random_inputs(9, 256, 4, 2, "uniform", "cpu", gen)
+    ranks = [{k: v for k, v in inputs.items() if k != "hidden_states"}]
+
+    def exact(x, x_sf, w, w_sf):
+        return dequantize_per_token_group(x, x_sf) @ dequantize_weight_blocks(w, w_sf).T
+
+    base = mega_moe(ranks, [layer.checkpoint], 4)[0]
+    assert torch.equal(mega_moe(ranks, [layer.checkpoint], 4, l1_gemm=exact)[0], base)
+    doubled = mega_moe(ranks, [layer.checkpoint], 4, l1_gemm=lambda *a: 2 * exact(*a))[0]
+    assert not torch.equal(doubled, base)

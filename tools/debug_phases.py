@@ -63,6 +63,7 @@ def main():
             src = buf.view("pool_src")
             worst = 0.0
             all_rows = []
+            flips = [0, 0, 0.0]
             for e in range(E):
                 n_e = int(counts[e])
                 if n_e == 0:
@@ -77,6 +78,12 @@ def main():
                 if phase == 5:
                     act = dequantize_per_token_group(buf.view("act")[rows], buf.view("act_sf")[:, rows].T.contiguous())
                     ref = inter[e]["act"][ref_rows]
+                    codes = buf.view("act")[rows].view(torch.uint8)
+                    ref_codes = inter[e]["act_q"][ref_rows].view(torch.uint8)
+                    flips[0] += int((codes != ref_codes).sum())
+                    flips[1] += codes.numel()
+                    sf_rel = (buf.view("act_sf")[:, rows].T - inter[e]["act_sf"][ref_rows]).abs() / inter[e]["act_sf"][ref_rows]
+                    flips[2] = max(flips[2], float(sf_rel.max()))
                 else:
                     act = buf.view("combine").view(-1, H)[entries].float()
                     ref = inter[e]["l2_out"][ref_rows]
@@ -90,6 +97,9 @@ def main():
                 if rel > 0.05:
                     print(f"expert {e}: rel err {rel:.3e}; first row got {act[0, :8].tolist()} want {ref[0, :8].tolist()}")
             print(f"phase {phase} worst expert rel err {worst:.3e}")
+            if phase == 5:
+                print(f"  act_q codes differing from the reference: {flips[0]} of {flips[1]} "
+                      f"({flips[0] / max(flips[1], 1):.2e}); act_sf max rel diff {flips[2]:.2e}")
             if all_rows:
                 q = torch.cat(all_rows)
                 print("  per-row rel err quantiles 50/90/99/max:",

@@ -31,6 +31,7 @@ SHAPES = [
     Shape(4096, 1408, 6, 8, 129),
     Shape(2048, 3072, 2, 8, 100),
     Shape(384, 256, 4, 4, 50),
+    Shape(2048, 768, 8, 128, 256),  # also tests/gpu/test_vllm_shaped.py
 ]
 
 
@@ -38,7 +39,14 @@ def variants():
     from megamoe_plugin.heuristics import default_config
     from megamoe_plugin.jit import KernelVariant
 
+    from .multi_rank import MULTI_RANK_SHAPES
+
     out = []
+    for hidden, inter, topk, local_experts, max_tokens, _ in MULTI_RANK_SHAPES:
+        for num_ranks in (2, 4):
+            cfg = default_config(num_ranks, local_experts * num_ranks, topk, hidden, inter, max_tokens, 132 // num_ranks)
+            out.append(KernelVariant(hidden, inter, topk, local_experts * num_ranks, num_ranks, cfg.block_m,
+                                     cfg.num_stages, True))
     for s in SHAPES:
         cfg = default_config(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132)
         for fast_math in (True, False):

@@ -1,0 +1,106 @@
+"""Multi-rank correctness runs shared by the one-GPU test (R ranks' kernels side by side
+on one GPU) and the real multi-GPU run (`torchrun --nproc-per-node R -m tests.gpu.multi_rank`).
+
+Every rank builds the same R layers and R input sets from one seed, so each can compute
+the whole reference itself and check its own output.
+"""
+import math
+import os
+import sys
+
+import torch
+
+import megamoe_plugin as mm
+from megamoe_plugin.reference import calc_diff, check_close
+from megamoe_plugin.testing import L1_NUMERICS, fill_buffer, random_inputs, random_layer, reference_outputs
+
+# (hidden, intermediate, topk, local experts, max tokens, tokens per rank per step)
+MULTI_RANK_SHAPES = [
+    (4096, 1536, 8, 8, 128, [128, 0, 37, 1]),
+    (2048, 768, 6, 4, 64, [64, 17, 0, 64]),
+]
+
+
+def make_world(num_ranks, shape, device, seed):
+    hidden, inter, topk, local_experts, _, _ = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [random_layer(local_experts, hidden, inter, device, gen) for _ in range(num_ranks)], gen
+
+
+def step_inputs(num_ranks, shape, tokens, step, routing, device, gen):
+    hidden, _, topk, local_experts, _, _ = shape
+    counts = [tokens if (r + step) % 2 == 0 else max(0, tokens // 2 - r) for r in range(num_ranks)]
+    return [random_inputs(n, hidden, local_experts * num_ranks, topk, routing, device, gen) for n in counts]
+
+
+def run_local(num_ranks, shape, numerics, seed=0):
+    """R ranks on one GPU, each on its own stream and share of SMs. Returns a list of
+    (step, rank, calc_diff, error or None)."""
+    hidden, inter, topk, local_experts, max_tokens, steps = shape
+    layers, gen = make_world(num_ranks, shape, "cuda", seed)
+    bufs = mm.buffer.get_local_rank_buffers(num_ranks, local_experts * num_ranks, max_tokens, topk, hidden, inter)
+    streams = [torch.cuda.Stream() for _ in range(num_ranks)]
+    results = []
+    for step, tokens in enumerate(steps):
+        routing = ("uniform", "masked", "half_empty", "one_expert")[step % 4]
+        inputs = step_inputs(num_ranks, shape, tokens, step, routing, "cuda", gen)
+        ys = []
+        for r in range(num_ranks):
+            fill_buffer(bufs[r], inputs[r])
+            ys.append(torch.full((inputs[r]["x"].shape[0], hidden), math.nan, dtype=torch.bfloat16, device="cuda"))
+        torch.cuda.synchronize()
+        for r in range(num_ranks):  # all launched before any wait: the kernels must overlap
+            with torch.cuda.stream(streams[r]):
+                mm.fp8_mega_moe(ys[r], layers[r].l1, layers[r].l2, bufs[r])
+        mm.ops.synchronize()
+        refs = reference_outputs(inputs, layers, local_experts * num_ranks, l1_numerics=numerics)
+        for r in range(num_ranks):
+            results.append((step, r, calc_diff(ys[r], refs[r]), _check(ys[r], refs[r])))
+    return results
+
+
+def _check(y, ref):
+    try:
+        check_close(y, ref)
+        return None
+    except AssertionError as exc:
+        return str(exc)
+
+
+def main_distributed():
+    """One process per GPU (torchrun). Prints one line per (shape, step, rank)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    failures = 0
+    for shape in MULTI_RANK_SHAPES:
+        hidden, inter, topk, local_experts, max_tokens, steps = shape
+        layers, gen = make_world(world, shape, "cuda", 1)
+        buf = mm.get_symm_buffer(dist.group.WORLD, local_experts * world, max_tokens, topk, hidden, inter)
+        for step, tokens in enumerate(steps):
+            routing = ("uniform", "masked", "half_empty", "one_expert")[step % 4]
+            inputs = step_inputs(world, shape, tokens, step, routing, "cuda", gen)
+            fill_buffer(buf, inputs[rank])
+            y = torch.full((inputs[rank]["x"].shape[0], hidden), math.nan, dtype=torch.bfloat16, device="cuda")
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            mm.fp8_mega_moe(y, layers[rank].l1, layers[rank].l2, buf)
+            end.record()
+            mm.ops.synchronize()
+            for numerics in L1_NUMERICS:
+                ref = reference_outputs(inputs, layers, local_experts * world, l1_numerics=numerics)[rank]
+                err = _check(y, ref)
+                failures += err is not None
+                print(f"rank {rank}/{world} H{hidden} I{inter} K{topk} E{local_experts * world} step {step} "
+                      f"n={y.shape[0]} {routing}: {start.elapsed_time(end) * 1e3:.0f} us vs {numerics}: calc_diff "
+                      f"{calc_diff(y, ref):.2e} {'ok' if err is None else 'FAIL ' + err}", flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main_distributed() else 0)

@@ -1,0 +1,48 @@
+"""The op layer exactly as the vLLM plugin drives it: BF16 hidden states and int32 or
+int64 top-k ids staged by `stage_inputs` (one Triton kernel), then `fp8_mega_moe`,
+against the reference fed the same quantization."""
+import math
+
+import pytest
+import torch
+
+import megamoe_plugin as mm
+from megamoe_plugin.fp8 import quantize_per_token_group
+from megamoe_plugin.reference import check_close
+from megamoe_plugin.testing import L1_NUMERICS, fp8_tensor_core_l1, random_layer, random_routing
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an SM90 (Hopper) GPU; run on the H200 machines")
+
+# Qwen3-30B-A3B's expert shape (the vllm_on_gpu model): H 2048, I 768, 128 experts, top-8.
+HIDDEN, INTER, EXPERTS, TOPK, MAX_TOKENS = 2048, 768, 128, 8, 256
+
+
+@pytest.fixture(scope="module")
+def setup():
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    layer = random_layer(EXPERTS, HIDDEN, INTER, "cuda", gen)
+    buf = mm.get_symm_buffer(None, EXPERTS, MAX_TOKENS, TOPK, HIDDEN, INTER)
+    return layer, buf, gen
+
+
+@pytest.mark.parametrize("numerics", L1_NUMERICS)
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("num_tokens", [MAX_TOKENS, 1, 0, 77])
+def test_staged_bf16_inputs(setup, ids_dtype, num_tokens, numerics):
+    layer, buf, gen = setup
+    hidden_states = torch.randn(num_tokens, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+    topk_idx = random_routing(num_tokens, EXPERTS, TOPK, "uniform", "cuda", gen).to(ids_dtype)
+    # vLLM's router gives softmax-normalized weights.
+    topk_weights = torch.rand(num_tokens, TOPK, generator=gen, device="cuda").softmax(-1)
+    n = mm.stage_inputs(buf, hidden_states, topk_idx, topk_weights)
+    assert n == num_tokens
+    y = torch.full((n, HIDDEN), math.nan, dtype=torch.bfloat16, device="cuda")
+    mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
+    mm.ops.synchronize()
+    x, x_sf = quantize_per_token_group(hidden_states)
+    ref = mm.reference.mega_moe([dict(x=x, x_sf=x_sf, topk_idx=topk_idx.long(), topk_weights=topk_weights)],
+                                [layer.checkpoint], EXPERTS,
+                                l1_gemm=fp8_tensor_core_l1 if numerics == "fp8_tensor_core" else None)[0]
+    check_close(y, ref)
