@@ -1,0 +1,232 @@
+"""What runs a MoE layer call: the GPU kernel (default) or, selected explicitly, the
+float32 reference; and the symmetric buffers the kernel runs on.
+
+Executor selection
+    MEGAMOE_EXECUTOR=kernel     (default) megamoe_plugin.fp8_mega_moe on an SM90 GPU.
+    MEGAMOE_EXECUTOR=reference  megamoe_plugin.reference.mega_moe in float32, on whatever
+                                device the activations are (CPU tests). One EP rank only.
+    `set_executor("reference")` overrides the environment from Python (tests).
+There is no fallback: the kernel path fails loudly where the kernel cannot run (and
+model load refuses non-SM90 GPUs first), the reference is used only when asked for.
+
+Symmetric buffers
+    One `SymmBuffer` per (EP device group, device, shape), created on the first forward
+    of the first layer of that shape (vLLM's profile run: before CUDA-graph capture, with
+    every EP rank in the same forward), sized for max_num_batched_tokens, and shared by
+    every layer of that shape: layers run one after another, so one buffer suffices.
+    Allocation is collective over the EP group (torch symmetric memory rendezvous).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+import time
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+logger = logging.getLogger("vllm.megamoe_sm90")
+
+EXECUTORS = ("kernel", "reference")
+ENV_VAR = "MEGAMOE_EXECUTOR"
+
+_override: Optional[str] = None
+
+
+def set_executor(name: Optional[str]) -> Optional[str]:
+    """Select the executor from Python ("kernel", "reference", or None to follow the
+    environment); returns the previous override."""
+    global _override
+    if name is not None and name not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS} or None, got {name!r}")
+    previous, _override = _override, name
+    return previous
+
+
+def get_executor() -> str:
+    name = _override if _override is not None else os.environ.get(ENV_VAR, "kernel").strip().lower() or "kernel"
+    if name not in EXECUTORS:
+        raise ValueError(f"{ENV_VAR}={name!r} is not one of {EXECUTORS}")
+    return name
+
+
+# ------------------------------------------------------------------ EP group and buffers
+
+
+class EPGroup:
+    """The EP process group a layer's kernel runs over (None for one rank)."""
+
+    def __init__(self, world_size: int, rank: int, device_group=None, key: object = None):
+        self.world_size = world_size
+        self.rank = rank
+        self.device_group = device_group
+        self.key = key if key is not None else ("single",)
+
+    @classmethod
+    def from_vllm(cls, moe_parallel_config) -> "EPGroup":
+        if not getattr(moe_parallel_config, "use_ep", False) or moe_parallel_config.ep_size == 1:
+            return cls(1, 0)
+        from vllm.distributed import get_ep_group
+
+        ep = get_ep_group()
+        if ep.world_size != moe_parallel_config.ep_size:
+            raise RuntimeError(f"megamoe_sm90: vLLM's EP group has {ep.world_size} ranks but the MoE layer expects "
+                               f"{moe_parallel_config.ep_size}")
+        return cls(ep.world_size, ep.rank_in_group, ep.device_group,
+                   key=("ep", getattr(ep, "unique_name", None), tuple(ep.ranks)))
+
+
+_buffers: Dict[Tuple, object] = {}
+_warmed: set = set()
+_lock = threading.RLock()
+
+
+def buffer_key(group: EPGroup, device: torch.device, shape: Tuple[int, ...]) -> Tuple:
+    index = device.index if device.type == "cuda" and device.index is not None else (
+        torch.cuda.current_device() if device.type == "cuda" else None)
+    return (group.key, device.type, index) + tuple(shape)
+
+
+def get_buffer(group: EPGroup, device: torch.device, num_experts: int, max_tokens: int, topk: int, hidden: int,
+               intermediate: int):
+    """The shared buffer for this (group, device, shape), allocating it (collectively) on first use."""
+    import megamoe_plugin as mm
+
+    key = buffer_key(group, device, (num_experts, max_tokens, topk, hidden, intermediate))
+    with _lock:
+        buf = _buffers.get(key)
+        if buf is not None:
+            return buf
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "megamoe_sm90: the symmetric buffer must be created before CUDA-graph capture (vLLM's profile run "
+                "does this); a layer's first forward ran inside capture")
+        t0 = time.perf_counter()
+        nbytes = mm.get_symm_buffer_size(group.world_size, num_experts, max_tokens, topk, hidden, intermediate)
+        buf = mm.get_symm_buffer(group.device_group if group.world_size > 1 else None, num_experts, max_tokens,
+                                 topk, hidden, intermediate, device=device)
+        _buffers[key] = buf
+        logger.info("megamoe_sm90: symmetric buffer for %d experts, top-%d, hidden %d, intermediate %d, up to %d "
+                    "tokens/rank over %d EP rank(s): %.1f MiB per rank (%.2fs)", num_experts, topk, hidden,
+                    intermediate, max_tokens, group.world_size, nbytes / 2**20, time.perf_counter() - t0)
+        return buf
+
+
+def clear_buffers() -> None:
+    """Drop every cached buffer (tests; a new engine in the same process)."""
+    with _lock:
+        _buffers.clear()
+        _warmed.clear()
+
+
+def num_buffers() -> int:
+    return len(_buffers)
+
+
+# ------------------------------------------------------------------ config key
+
+
+def rank_equal_num_tokens(num_tokens: int) -> int:
+    """A token count equal on every EP rank, for the kernel-config lookup.
+
+    With data parallelism each rank has its own batch; vLLM's forward context carries
+    every DP rank's token count on the CPU (no device sync), and under sequence
+    parallelism the per-rank chunk sizes. The max over ranks is the same everywhere.
+    Without DP every EP rank sees the same batch, so the local count already is."""
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+    except ImportError:  # pragma: no cover - very old vLLM
+        return num_tokens
+    if not is_forward_context_available():
+        return num_tokens
+    dp = getattr(get_forward_context(), "dp_metadata", None)
+    if dp is None:
+        return num_tokens
+    local_sizes = getattr(dp, "local_sizes", None)
+    if local_sizes:
+        return max(int(max(local_sizes)), num_tokens)
+    across = getattr(dp, "num_tokens_across_dp_cpu", None)
+    if across is None:
+        return num_tokens
+    return max(int(across.max()), num_tokens)
+
+
+_op_kwarg: Optional[str] = None
+
+
+def _config_kwarg() -> Optional[str]:
+    """The op layer's keyword for the rank-equal token count, if it has one."""
+    global _op_kwarg
+    if _op_kwarg is None:
+        import megamoe_plugin as mm
+
+        params = inspect.signature(mm.fp8_mega_moe).parameters
+        _op_kwarg = next((name for name in ("config_num_tokens", "num_tokens_for_config") if name in params), "")
+    return _op_kwarg or None
+
+
+# ------------------------------------------------------------------ warm-up
+
+
+def warmup_token_counts(max_tokens: int, capture_sizes: Optional[Sequence[int]]) -> List[int]:
+    """Token counts whose kernel variants to compile before graph capture: every CUDA-graph
+    capture size, powers of two up to the maximum (eager batches) and the maximum."""
+    counts = set(int(c) for c in (capture_sizes or ()) if 0 < int(c) <= max_tokens)
+    p = 1
+    while p < max_tokens:
+        counts.add(p)
+        p *= 2
+    counts.add(max_tokens)
+    return sorted(counts)
+
+
+def maybe_warmup(buf, l1, l2, token_counts: Iterable[int]) -> None:
+    """Compile every kernel variant these token counts select, once per buffer/weights shape."""
+    import megamoe_plugin.ops as ops
+
+    key = (id(buf),)
+    if key in _warmed:
+        return
+    _warmed.add(key)
+    warm = getattr(ops, "warmup", None)
+    if warm is None:
+        logger.warning("megamoe_sm90: the op layer has no warmup(); kernels compile on first use")
+        return
+    counts = list(token_counts)
+    t0 = time.perf_counter()
+    logger.info("megamoe_sm90: compiling the kernel variants for %d batch sizes (%d..%d tokens)", len(counts),
+                counts[0], counts[-1])
+    n = warm(buf, l1, l2, counts)
+    logger.info("megamoe_sm90: %s kernel variant(s) ready in %.1fs", n, time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------ the two executors
+
+
+def run_kernel(output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor, l1, l2, buf, activation_clamp: Optional[float]) -> None:
+    import megamoe_plugin as mm
+
+    n = mm.stage_inputs(buf, hidden_states, topk_ids, topk_weights)
+    kwargs = {}
+    name = _config_kwarg()
+    if name is not None:
+        kwargs[name] = rank_equal_num_tokens(n)
+    mm.fp8_mega_moe(output[:n], l1, l2, buf, activation_clamp=activation_clamp, fast_math=True, **kwargs)
+
+
+def run_reference(output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, l1, l2, buf, num_experts: int,
+                  activation_clamp: Optional[float]) -> None:
+    """The same staging, then the float32 reference on the staged inputs. The kernel
+    layout is inverted per call (no second copy of the weights is kept)."""
+    import megamoe_plugin as mm
+
+    n = mm.stage_inputs(buf, hidden_states, topk_ids, topk_weights)
+    (w13, w13_scale), (w2, w2_scale) = mm.untransform_weights(tuple(l1), tuple(l2))
+    ranks = [dict(x=buf.x[:n], x_sf=buf.x_sf[:n], topk_idx=buf.topk_idx[:n], topk_weights=buf.topk_weights[:n])]
+    weights = [dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)]
+    (y,) = mm.reference.mega_moe(ranks, weights, num_experts, activation_clamp=activation_clamp)
+    output[:n].copy_(y)

@@ -1,0 +1,274 @@
+"""The megamoe_sm90 MoE method, its modular-kernel experts, and the pass-through
+prepare/finalize they run behind.
+
+Shape of the integration (the one vLLM uses for its own self-dispatching MoE-EP
+megakernels):
+
+    MoERunner -> router (top-k, EPLB mapping and load recording)
+              -> MegaMoEFp8MoEMethod.apply
+                 -> mk.FusedMoEKernel(MegaMoEPrepareAndFinalize, MegaMoEExperts)
+                    prepare:  nothing (BF16 hidden states and top-k pass through)
+                    experts:  stage_inputs (one fused Triton kernel: FP8 quant + ids +
+                              weights into the symmetric buffer) then fp8_mega_moe
+                              (dispatch, both GEMMs, SwiGLU, combine in one launch)
+                    finalize: nothing (the kernel already wrote the combined, weighted
+                              rows of this rank's tokens; output_is_reduced() is True)
+
+Weights keep the checkpoint layout through loading (w13_weight, w13_weight_scale_inv,
+w2_weight, w2_weight_scale_inv: 128x128 block FP8, exactly vLLM's Fp8MoEMethod), and
+`process_weights_after_loading` rebinds the parameters' data to the kernel layout
+(`megamoe_plugin.transform_weights`): the checkpoint-layout tensors are released, no
+second copy remains, and EPLB's in-place expert shuffles act on what the kernel reads.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, FusedMoeWeightScaleSupported
+from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
+from vllm.model_executor.utils import set_weight_attrs
+
+from . import BACKEND, compat, executor, refusals
+
+BLOCK = 128
+WEIGHT_NAMES = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
+
+
+class MegaMoEPrepareAndFinalize(compat.prepare_finalize_base()):
+    """Pass-through: the kernel dispatches, combines and reduces by itself."""
+
+    def output_is_reduced(self) -> bool:
+        return True
+
+    def supports_deferred_moe_finalize(self) -> bool:
+        return False
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
+                quant_config, defer_input_quant: bool = False):
+        return a1, None, None, None, None
+
+
+class LayerRuntime:
+    """Per-layer facts the experts need at call time (sizes, EP group, executor)."""
+
+    def __init__(self, moe_config, executor_name: str, max_tokens: int, capture_sizes, activation_clamp):
+        par = moe_config.moe_parallel_config
+        self.executor = executor_name
+        self.group = executor.EPGroup.from_vllm(par) if executor_name == "kernel" else executor.EPGroup(1, 0)
+        self.num_experts = moe_config.num_experts
+        self.topk = moe_config.experts_per_token
+        self.hidden = moe_config.hidden_dim
+        self.intermediate = moe_config.intermediate_size_per_partition
+        self.max_tokens = max_tokens
+        self.warmup_counts = executor.warmup_token_counts(max_tokens, capture_sizes)
+        self.activation_clamp = None if activation_clamp is None else float(activation_clamp)
+
+    def buffer(self, device: torch.device):
+        return executor.get_buffer(self.group, device, self.num_experts, self.max_tokens, self.topk, self.hidden,
+                                   self.intermediate)
+
+    def run(self, output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+            topk_weights: torch.Tensor, l1, l2) -> None:
+        if not hidden_states.is_contiguous():
+            hidden_states = hidden_states.contiguous()
+        buf = self.buffer(hidden_states.device)
+        if self.executor == "kernel":
+            executor.maybe_warmup(buf, l1, l2, self.warmup_counts)
+            executor.run_kernel(output, hidden_states, topk_ids, topk_weights, l1, l2, buf, self.activation_clamp)
+        else:
+            executor.run_reference(output, hidden_states, topk_ids, topk_weights, l1, l2, buf, self.num_experts,
+                                   self.activation_clamp)
+
+
+class MegaMoEExperts(mk.FusedMoEExpertsModular):
+    """Modular-kernel experts running the whole MegaMoE (dispatch..combine) in one call."""
+
+    def __init__(self, moe_config, quant_config, runtime: LayerRuntime):
+        super().__init__(moe_config, quant_config)
+        self.runtime = runtime
+
+    # --- what the kernel supports (consulted only if vLLM's oracle ever asks)
+
+    @staticmethod
+    def activation_format():
+        return mk.FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return refusals.get_probe().device_capability() == (9, 0)
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        from vllm.model_executor.layers.quantization.utils.quant_utils import (
+            kFp8Dynamic128Sym,
+            kFp8Static128BlockSym,
+        )
+
+        return weight_key == kFp8Static128BlockSym and activation_key in (None, kFp8Dynamic128Sym)
+
+    @staticmethod
+    def _supports_activation(activation) -> bool:
+        return str(getattr(activation, "value", activation)).lower() == "silu"
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config) -> bool:
+        return not getattr(moe_parallel_config, "use_batched_activation_format", False)
+
+    @staticmethod
+    def supports_lora() -> bool:
+        return False
+
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        return True  # BF16 in: the staging kernel quantizes straight into the symmetric buffer
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceNoOP()
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
+                         activation):
+        return (0,), (0,), (M, K)
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        self.run(output, hidden_states, topk_ids, topk_weights, w1, w2)
+        return None
+
+    def run(self, output, hidden_states, topk_ids, topk_weights, w1, w2) -> None:
+        l1 = (w1, self.quant_config.w1_scale)
+        l2 = (w2, self.quant_config.w2_scale)
+        self.runtime.run(output, hidden_states, topk_ids, topk_weights, l1, l2)
+
+
+class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
+    """128x128 block FP8 MoE on the MegaMoE kernel (see the module docstring)."""
+
+    def __init__(self, quant_config, layer):
+        super().__init__(layer.moe_config)
+        self.quant_config = quant_config
+        self.weight_block_size = [BLOCK, BLOCK]
+        self.block_quant = True
+        self.weight_scale_name = "weight_scale_inv"
+        self.experts: Optional[MegaMoEExperts] = None
+
+        vllm_config = get_current_vllm_config()
+        self.executor_name = executor.get_executor()
+        refusals.check_quantization(quant_config)
+        refusals.check_layer(self.moe, layer, executor=self.executor_name)
+        refusals.check_vllm_features(vllm_config)
+        if self.executor_name == "kernel":
+            refusals.check_device()
+            group = executor.EPGroup.from_vllm(self.moe.moe_parallel_config)
+            if group.world_size > 1:
+                refusals.check_ep_topology(group.key)
+        else:
+            refusals.warn_once("megamoe_sm90: %s=reference: MoE layers run the float32 reference instead of the "
+                               "GPU kernel (a test aid, slow)", executor.ENV_VAR)
+
+        max_tokens = int(getattr(self.moe, "max_num_tokens", 0) or 0)
+        max_tokens = max(max_tokens, compat.max_num_batched_tokens(vllm_config, max_tokens))
+        sizes = compat.capture_sizes(vllm_config)
+        max_tokens = max([max_tokens] + sizes)
+        clamp = getattr(self.moe, "swiglu_limit", None)
+        self.runtime = LayerRuntime(self.moe, self.executor_name, max_tokens, sizes, clamp)
+
+    # ------------------------------------------------------------------ weights
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        """Checkpoint layout, exactly as vLLM's Fp8MoEMethod creates it for 128x128 blocks."""
+        layer.num_experts = num_experts
+        layer.orig_dtype = params_dtype
+        layer.weight_block_size = list(self.weight_block_size)
+        inter, hidden = intermediate_size_per_partition, hidden_size
+        fp8 = torch.float8_e4m3fn
+
+        def register(name: str, tensor: torch.Tensor, attrs: dict) -> None:
+            param = torch.nn.Parameter(tensor, requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, attrs)
+
+        register("w13_weight", torch.empty(num_experts, 2 * inter, hidden, dtype=fp8), extra_weight_attrs)
+        register("w2_weight", torch.empty(num_experts, hidden, inter, dtype=fp8), extra_weight_attrs)
+        scale_attrs = dict(extra_weight_attrs, quant_method=FusedMoeWeightScaleSupported.BLOCK.value)
+        register("w13_weight_scale_inv",
+                 torch.ones(num_experts, 2 * (inter // BLOCK), hidden // BLOCK, dtype=torch.float32), scale_attrs)
+        register("w2_weight_scale_inv",
+                 torch.ones(num_experts, hidden // BLOCK, inter // BLOCK, dtype=torch.float32), scale_attrs)
+        layer.w13_input_scale = None
+        layer.w2_input_scale = None
+
+    def process_weights_after_loading(self, layer) -> None:
+        """Checkpoint layout -> kernel layout in place of the parameters' data, then the kernel."""
+        import megamoe_plugin as mm
+
+        w13, s13 = layer.w13_weight, layer.w13_weight_scale_inv
+        w2, s2 = layer.w2_weight, layer.w2_weight_scale_inv
+        if s13.dim() == 3:  # checkpoint layout (a second call finds the kernel layout: 4-D w13 scales)
+            (t13, ts13), (t2, ts2) = mm.transform_weights((w13.data, s13.data), (w2.data, s2.data))
+            # Rebind, never copy: the old storages are released here, the parameters (and
+            # with them EPLB's view of the experts) now hold what the kernel reads.
+            w13.data, s13.data, w2.data, s2.data = t13, ts13, t2, ts2
+        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+        self.experts = MegaMoEExperts(self.moe, self.moe_quant_config, self.runtime)
+        self.moe_kernel = mk.FusedMoEKernel(MegaMoEPrepareAndFinalize(), self.experts)
+
+    def get_fused_moe_quant_config(self, layer):
+        return fp8_w8a8_moe_quant_config(
+            w1_scale=layer.w13_weight_scale_inv,
+            w2_scale=layer.w2_weight_scale_inv,
+            a1_scale=None,
+            a2_scale=None,
+            block_shape=list(self.weight_block_size),
+        )
+
+    @property
+    def supports_eplb(self) -> bool:
+        # The router maps logical to physical experts and records the load in
+        # expert_load_view; the parameters are contiguous per expert, so EPLB's
+        # rearrangement moves kernel-layout experts whole.
+        return True
+
+    @property
+    def method_name(self) -> str:
+        return f"MegaMoEFp8MoEMethod({BACKEND})"
+
+    # ------------------------------------------------------------------ forward
+
+    def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              shared_experts=None, shared_experts_input=None, **kwargs):
+        if self.moe_kernel is None or self.experts is None:
+            raise RuntimeError(f"{BACKEND}: the MoE weights have not been processed (process_weights_after_loading "
+                               "was not called)")
+        if x.shape[0] == 0:
+            # Every EP rank takes part in every step; vLLM's modular kernel skips the
+            # experts for an empty batch, so call them directly.
+            out = x.new_empty(x.shape)
+            self.experts.run(out, x, topk_ids, topk_weights, layer.w13_weight, layer.w2_weight)
+            return out
+        return self.moe_kernel.apply(
+            x,
+            layer.w13_weight,
+            layer.w2_weight,
+            topk_weights,
+            topk_ids,
+            activation=layer.activation,
+            global_num_experts=layer.global_num_experts,
+            expert_map=layer.expert_map,
+            apply_router_weight_on_input=layer.apply_router_weight_on_input,
+            shared_experts=shared_experts,
+            shared_experts_input=shared_experts_input,
+        )
+
+    def apply_monolithic(self, *args, **kwargs):  # pragma: no cover - never selected
+        raise NotImplementedError(f"{BACKEND} is a modular (pre-routed) MoE method")

@@ -1,0 +1,331 @@
+"""Everything megamoe_sm90 refuses, checked at model load (layer construction), each
+with a message that says what to change.
+
+The hardware facts (GPU capability, EP topology) come from a `HardwareProbe`; tests on
+CPU machines install a fake one with `override_probe(...)` so every refusal can be
+exercised without a GPU. The EP topology probe is collective over the EP group's CPU
+group; it runs once per group (the first MoE layer) and every rank reaches the same
+verdict, so a refusal never leaves some ranks waiting in a later collective.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Dict, List, Optional, Tuple
+
+# DESIGN.md section 2 limits (the buffer module is the source of truth).
+from ..buffer import MAX_LOCAL_EXPERTS, MAX_TOPK, SUPPORTED_NUM_RANKS
+from . import BACKEND
+
+logger = logging.getLogger("vllm.megamoe_sm90")
+
+PICK_OTHER = "pick another --moe-backend (e.g. leave it at 'auto')"
+OTHER_BACKEND = "or " + PICK_OTHER
+
+
+class MegaMoEUnsupportedError(ValueError):
+    """A deployment megamoe_sm90 cannot run; the message names what to change."""
+
+    def __init__(self, what: str, change: str):
+        super().__init__(f"--moe-backend {BACKEND}: {what}. To fix: {change}.")
+        self.what = what
+        self.change = change
+
+
+# ------------------------------------------------------------------ hardware probe
+
+
+@dataclasses.dataclass(frozen=True)
+class EPTopology:
+    """What the EP group looks like from every rank's point of view."""
+    world_size: int
+    same_node: Tuple[bool, ...]                 # rank r shares a node with rank 0
+    devices: Tuple[str, ...]                    # a label per rank (e.g. "cuda:3 (NVIDIA H200)")
+    no_peer_access: Tuple[Tuple[int, int], ...] = ()   # (rank a, rank b) pairs without P2P
+    unverified: Tuple[Tuple[int, int], ...] = ()       # pairs whose access could not be checked
+
+
+class HardwareProbe:
+    """The real probe: torch.cuda for the local GPU, vLLM's EP group for the topology."""
+
+    def device_capability(self) -> Optional[Tuple[int, int]]:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return tuple(torch.cuda.get_device_capability(torch.cuda.current_device()))  # type: ignore[return-value]
+
+    def device_name(self) -> str:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+
+    def ep_topology(self) -> EPTopology:
+        import torch
+        import torch.distributed as dist
+        from vllm.distributed import get_ep_group
+        from vllm.distributed.parallel_state import in_the_same_node_as
+
+        ep = get_ep_group()
+        world = ep.world_size
+        if world == 1:
+            label = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+            return EPTopology(1, (True,), (label,))
+        cpu_group = ep.cpu_group
+        same_node = tuple(bool(x) for x in in_the_same_node_as(cpu_group, source_rank=0))
+
+        local = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(local)
+        me = dict(index=local, name=props.name, bus=_pci_bus_id(props, local))
+        infos: List[Dict] = [None] * world  # type: ignore[list-item]
+        dist.all_gather_object(infos, me, group=cpu_group)
+
+        # This rank's row of the peer-access matrix, over devices visible here.
+        visible = {_pci_bus_id(torch.cuda.get_device_properties(i), i): i for i in range(torch.cuda.device_count())}
+        rank = ep.rank_in_group
+        row_missing, row_unverified = [], []
+        for peer, info in enumerate(infos):
+            if peer == rank or not same_node[peer] or not same_node[rank]:
+                continue
+            peer_index = visible.get(info["bus"])
+            if peer_index is None:
+                row_unverified.append((rank, peer))
+            elif peer_index != local and not torch.cuda.can_device_access_peer(local, peer_index):
+                row_missing.append((rank, peer))
+        rows: List[Tuple[List, List]] = [None] * world  # type: ignore[list-item]
+        dist.all_gather_object(rows, (row_missing, row_unverified), group=cpu_group)
+        missing = tuple(sorted({tuple(p) for r in rows for p in r[0]}))
+        unverified = tuple(sorted({tuple(p) for r in rows for p in r[1]}))
+        labels = tuple(f"cuda:{i['index']} ({i['name']}, bus {i['bus']})" for i in infos)
+        return EPTopology(world, same_node, labels, missing, unverified)
+
+
+def _pci_bus_id(props, index: int) -> str:
+    """A process-independent id of a GPU (device indices depend on CUDA_VISIBLE_DEVICES)."""
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return str(uuid)
+    if getattr(props, "pci_bus_id", None) is not None:
+        return f"{getattr(props, 'pci_domain_id', 0)}:{props.pci_bus_id}:{getattr(props, 'pci_device_id', 0)}"
+    return f"index{index}"
+
+
+_probe: HardwareProbe = HardwareProbe()
+_topology_cache: Dict[object, EPTopology] = {}
+
+
+def get_probe() -> HardwareProbe:
+    return _probe
+
+
+def set_probe(probe: HardwareProbe) -> HardwareProbe:
+    """Install a probe (tests); returns the previous one. Clears the topology cache."""
+    global _probe
+    previous, _probe = _probe, probe
+    _topology_cache.clear()
+    return previous
+
+
+@contextlib.contextmanager
+def override_probe(probe: HardwareProbe):
+    previous = set_probe(probe)
+    try:
+        yield probe
+    finally:
+        set_probe(previous)
+
+
+def _cached_topology(key: object) -> EPTopology:
+    topo = _topology_cache.get(key)
+    if topo is None:
+        topo = _probe.ep_topology()
+        _topology_cache[key] = topo
+    return topo
+
+
+# ------------------------------------------------------------------ the checks
+
+
+def check_quantization(quant_config) -> None:
+    """128x128 block FP8 with dynamic activation quantization, serialized in the checkpoint."""
+    if getattr(quant_config, "store_dtype", None) not in (None, "fp8", "float8_e4m3fn"):
+        raise MegaMoEUnsupportedError(
+            f"the checkpoint stores experts as {quant_config.store_dtype!r}, the kernel takes FP8 e4m3 experts",
+            f"use an FP8 block-quantized checkpoint {OTHER_BACKEND}")
+    if not getattr(quant_config, "is_checkpoint_fp8_serialized", True):
+        raise MegaMoEUnsupportedError(
+            "online FP8 quantization of a BF16/FP16 checkpoint gives per-tensor scales, the kernel needs 128x128 "
+            "block scales from the checkpoint",
+            f"serve a checkpoint with quantization_config {{quant_method: fp8, weight_block_size: [128, 128]}} "
+            f"{OTHER_BACKEND}")
+    block = getattr(quant_config, "weight_block_size", None)
+    if block is None:
+        raise MegaMoEUnsupportedError(
+            "the checkpoint's FP8 experts have per-tensor scales (no weight_block_size), the kernel needs "
+            "128x128 block scales",
+            f"serve a block-quantized FP8 checkpoint (quantization_config.weight_block_size = [128, 128], as "
+            f"DeepSeek-V3/Qwen3 FP8 checkpoints have) {OTHER_BACKEND}")
+    if list(block) != [128, 128]:
+        raise MegaMoEUnsupportedError(
+            f"weight_block_size={list(block)}: the kernel takes only 128x128 blocks",
+            f"requantize the checkpoint to weight_block_size [128, 128] {OTHER_BACKEND}")
+    if getattr(quant_config, "activation_scheme", "dynamic") != "dynamic":
+        raise MegaMoEUnsupportedError(
+            f"activation_scheme={quant_config.activation_scheme!r}: the kernel quantizes activations dynamically "
+            "per token and 128 columns",
+            f"use a checkpoint with activation_scheme 'dynamic' {OTHER_BACKEND}")
+
+
+def check_layer_skipped(prefix: str) -> None:
+    raise MegaMoEUnsupportedError(
+        f"MoE layer {prefix!r} is excluded from FP8 quantization by the checkpoint (ignored_layers / "
+        "modules_to_not_convert), the kernel needs FP8 experts in every MoE layer",
+        f"use a checkpoint whose MoE experts are all FP8 {OTHER_BACKEND}")
+
+
+def _activation_name(activation) -> str:
+    return str(getattr(activation, "value", activation))
+
+
+def check_layer(moe_config, layer, *, executor: str) -> None:
+    """Activation, dtypes, shapes, parallel layout, LoRA: everything the layer itself decides."""
+    import torch
+
+    act = moe_config.activation
+    if _activation_name(act).lower() != "silu" or not getattr(moe_config, "is_act_and_mul", True):
+        raise MegaMoEUnsupportedError(
+            f"the model's MoE activation is {_activation_name(act)!r}, the kernel computes SiLU-gated "
+            "experts only (silu(gate) * up)",
+            f"serve a SwiGLU MoE model (DeepSeek-V3, Qwen3-MoE, Kimi-K2, GLM-4.5, ...) {OTHER_BACKEND}")
+    if getattr(moe_config, "swiglu_alpha", None) is not None or getattr(moe_config, "swiglu_beta", None) is not None:
+        raise MegaMoEUnsupportedError(
+            "the model's SwiGLU has custom alpha/beta, the kernel computes plain silu(gate) * up (with an optional "
+            "clamp)", PICK_OTHER)
+    if getattr(moe_config, "has_bias", False):
+        raise MegaMoEUnsupportedError("the model's experts have biases, the kernel has none",
+                                      PICK_OTHER)
+    if getattr(layer, "apply_router_weight_on_input", False):
+        raise MegaMoEUnsupportedError(
+            "the model applies router weights to the MoE input, the kernel applies them after SwiGLU",
+            PICK_OTHER)
+    in_dtype = getattr(moe_config, "in_dtype", torch.bfloat16)
+    if in_dtype != torch.bfloat16:
+        raise MegaMoEUnsupportedError(
+            f"activations are {in_dtype}, the kernel reads and writes bfloat16", "pass --dtype bfloat16")
+    if getattr(moe_config, "is_lora_enabled", False):
+        raise MegaMoEUnsupportedError(
+            "LoRA adapters on MoE layers are not supported by the fused kernel",
+            f"remove --enable-lora {OTHER_BACKEND}")
+
+    par = moe_config.moe_parallel_config
+    if not par.use_ep and par.tp_size > 1:
+        raise MegaMoEUnsupportedError(
+            f"the MoE layer is tensor-parallel ({par.tp_size} ranks each hold a slice of every expert), the kernel "
+            "needs expert parallelism (each rank holds whole experts)",
+            "add --enable-expert-parallel (best with --data-parallel-size N, see docs/vllm.md)")
+    if getattr(par, "pcp_size", 1) > 1:
+        raise MegaMoEUnsupportedError("prefill context parallelism is not supported",
+                                      "remove --prefill-context-parallel-size")
+    strategy = getattr(getattr(layer, "expert_map_manager", None), "placement_strategy", "linear")
+    if strategy not in (None, "linear"):
+        raise MegaMoEUnsupportedError(
+            f"expert placement {strategy!r}: the kernel owns experts contiguously (rank r holds experts "
+            "[r*E/R, (r+1)*E/R))", "pass --expert-placement-strategy linear")
+
+    num_ranks = par.ep_size if par.use_ep else 1
+    num_experts = moe_config.num_experts
+    hidden = moe_config.hidden_dim
+    inter = moe_config.intermediate_size_per_partition
+    topk = moe_config.experts_per_token
+    shape_change = (f"the kernel takes hidden % 128 == 0, intermediate % 128 == 0, 1 <= top-k <= {MAX_TOPK}, "
+                    f"EP size (data-parallel x tensor-parallel ranks) in {SUPPORTED_NUM_RANKS}, experts divisible "
+                    f"by the EP size and at most {MAX_LOCAL_EXPERTS} experts per EP rank")
+    if num_ranks not in SUPPORTED_NUM_RANKS:
+        raise MegaMoEUnsupportedError(
+            f"the EP group has {num_ranks} ranks", f"run with an EP size in {SUPPORTED_NUM_RANKS} "
+            f"(--data-parallel-size x --tensor-parallel-size); {shape_change}")
+    for value, name in ((hidden, "hidden size"), (inter, "MoE intermediate size")):
+        if value % 128 != 0:
+            raise MegaMoEUnsupportedError(f"{name} {value} is not a multiple of 128",
+                                          f"{PICK_OTHER}: {shape_change}")
+    if not 1 <= topk <= MAX_TOPK:
+        raise MegaMoEUnsupportedError(f"top-k {topk} is outside [1, {MAX_TOPK}]",
+                                      f"{PICK_OTHER}: {shape_change}")
+    if num_experts % num_ranks != 0:
+        raise MegaMoEUnsupportedError(f"{num_experts} experts do not divide over {num_ranks} EP ranks",
+                                      f"choose an EP size that divides {num_experts}")
+    if num_experts // num_ranks > MAX_LOCAL_EXPERTS:
+        raise MegaMoEUnsupportedError(
+            f"{num_experts // num_ranks} experts per EP rank exceed the kernel's {MAX_LOCAL_EXPERTS}",
+            f"use more EP ranks (--data-parallel-size) so that experts / EP size <= {MAX_LOCAL_EXPERTS}")
+
+    if executor == "reference" and num_ranks != 1:
+        raise MegaMoEUnsupportedError(
+            f"MEGAMOE_EXECUTOR=reference runs the float32 reference on one rank, the EP group has {num_ranks}",
+            "unset MEGAMOE_EXECUTOR (the reference is a test aid) or run on one rank")
+
+    if par.use_ep and getattr(par, "dp_size", 1) == 1 and num_ranks > 1:
+        warn_once(
+            "--moe-backend %s with tensor parallelism only: all %d EP ranks feed the same tokens, so every token "
+            "is dispatched %d times. Results are right, but the backend pays off with --data-parallel-size N "
+            "--enable-expert-parallel (each rank has its own tokens); see docs/vllm.md.",
+            BACKEND, num_ranks, num_ranks)
+
+
+_warned = set()
+
+
+def warn_once(message: str, *args) -> None:
+    """A warning logged once per process (not once per MoE layer)."""
+    key = (message, args)
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
+
+
+def check_vllm_features(vllm_config) -> None:
+    """Deployment features the kernel cannot coexist with."""
+    if vllm_config is None:
+        return
+    par = getattr(vllm_config, "parallel_config", None)
+    if par is not None and getattr(par, "enable_dbo", False):
+        raise MegaMoEUnsupportedError(
+            "dual batch overlap runs two micro-batches that would share one symmetric buffer",
+            "remove --enable-dbo")
+
+
+def check_device() -> None:
+    """The GPU kernel needs SM90 (Hopper)."""
+    capability = _probe.device_capability()
+    if capability is None or tuple(capability) != (9, 0):
+        found = "no CUDA device" if capability is None else f"{_probe.device_name()} (sm_{capability[0]}{capability[1]})"
+        raise MegaMoEUnsupportedError(
+            f"the kernel runs on SM90 GPUs (H100, H200, H800, H20) only, this process has {found}",
+            f"run on Hopper GPUs {OTHER_BACKEND}")
+
+
+def check_ep_topology(group_key: object) -> EPTopology:
+    """EP ranks must share one node and have peer access to each other's GPUs."""
+    topo = _cached_topology(group_key)
+    if topo.world_size > 1:
+        if not all(topo.same_node):
+            nodes = sorted({i for i, same in enumerate(topo.same_node) if not same})
+            raise MegaMoEUnsupportedError(
+                f"the EP group of {topo.world_size} ranks spans more than one node (ranks {nodes} are not on rank "
+                "0's node); the kernel moves tokens over NVLink inside one node",
+                "keep the EP group (data-parallel x tensor-parallel ranks) on one node, e.g. "
+                "--data-parallel-size 8 --enable-expert-parallel on one 8-GPU node")
+        if topo.no_peer_access:
+            pairs = ", ".join(f"{topo.devices[a]} <-> {topo.devices[b]}" for a, b in topo.no_peer_access[:4])
+            raise MegaMoEUnsupportedError(
+                f"GPUs of the EP group have no peer access to each other ({pairs})",
+                "run on GPUs connected by NVLink with P2P enabled (check `nvidia-smi topo -m`) "
+                + OTHER_BACKEND)
+        if topo.unverified:
+            logger.warning("megamoe_sm90: could not verify peer access between EP ranks %s (their GPUs are not "
+                           "visible to each other's processes); the symmetric-memory rendezvous will fail if it "
+                           "is missing", list(topo.unverified))
+    return topo
