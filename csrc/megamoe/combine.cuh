@@ -25,12 +25,18 @@ __device__ void combine_tokens(const KernelParams& p, uint8_t* base) {
     for (int k = 0; k < K; ++k)
       if (is_valid_expert(topk_idx[(int64_t)token * K + k], Cfg::kNumExperts)) valid_mask |= 1u << k;
     for (int col = lane * 8; col < H; col += 256) {
+      // All slots' loads are issued before any is used, so K loads per lane are in flight.
+      uint4 packed[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        packed[k] = (valid_mask >> k & 1)
+                        ? __ldcg(reinterpret_cast<const uint4*>(combine + ((int64_t)token * K + k) * H + col))
+                        : make_uint4(0, 0, 0, 0);
       float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         if (!(valid_mask >> k & 1)) continue;
-        const uint4 packed = __ldcg(reinterpret_cast<const uint4*>(combine + ((int64_t)token * K + k) * H + col));
-        const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&packed);
+        const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&packed[k]);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float2 f = __bfloat1622float2(v[i]);

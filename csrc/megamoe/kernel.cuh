@@ -91,6 +91,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
 
   uint8_t* base = p.peer_base[p.rank];
   int* signals = reinterpret_cast<int*>(base + p.off.signals);
+  const int rounds_before = rank_rounds_done(signals);  // read before CTA 0 can advance it
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kNumStages; ++s) {
@@ -105,7 +106,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   grid_sync(p, signals);
   dispatch_list<Cfg>(p, base, scratch);
   __threadfence_system();
-  rank_sync<Cfg::kNumRanks>(p, signals);
+  rank_sync<Cfg::kNumRanks>(p, signals, rounds_before + 1);
   if (p.stop_after_phase == 2) return;
 
   // 3-4: receive side.
@@ -140,7 +141,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
     math_phase<Cfg, true>(p, base, tables, sv, full, empty, ps, amax_exchange, parity);
   }
   __threadfence_system();
-  rank_sync<Cfg::kNumRanks>(p, signals);
+  rank_sync<Cfg::kNumRanks>(p, signals, rounds_before + 2);
   if (p.stop_after_phase == 6) return;
 
   // 7: combine, and leave the workspace ready for the next call.

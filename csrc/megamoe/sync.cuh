@@ -79,26 +79,42 @@ __device__ __forceinline__ void grid_sync(const KernelParams& p, int* signals) {
   __syncthreads();
 }
 
-// Barrier over every CTA of every rank. Memory written before it (local or to peers)
-// is visible to every rank after it. Writers to peer memory must have issued
-// __threadfence_system() before arriving (the release below covers this thread only).
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* ptr, int v) {
+  int old;
+  asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
+  return old;
+}
+
+// Barrier over every CTA of every rank, in one round: each CTA arrives on this rank's
+// grid counter; the last to arrive (which has acquired every other CTA's arrival)
+// signals every rank once; every CTA then waits until all ranks have signalled.
+// Memory written before it (local or to peers) is visible to every rank after it.
+// Writers to peer memory must have issued __threadfence_system() before arriving.
+// `round` counts this rank's cross-rank barriers since the buffer was made: every CTA
+// reads the count at kernel start (rank_rounds_done) and passes done + i for the i-th
+// barrier of the call; CTA 0 advances the stored count.
 template <int kNumRanks>
-__device__ __forceinline__ void rank_sync(const KernelParams& p, int* signals) {
-  grid_sync(p, signals);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    __threadfence_system();
-    for (int r = 0; r < kNumRanks; ++r) {
-      int* peer_signals = reinterpret_cast<int*>(p.peer_base[r] + p.off.signals);
-      red_add_release_sys(peer_signals + kSigRankBarrier, 1);
+__device__ __forceinline__ void rank_sync(const KernelParams& p, int* signals, int round) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int old = atomic_add_acq_rel_gpu(signals + kSigGridBarrier, 1);
+    if (old % (int)gridDim.x == (int)gridDim.x - 1) {
+      __threadfence_system();
+      for (int r = 0; r < kNumRanks; ++r) {
+        int* peer_signals = reinterpret_cast<int*>(p.peer_base[r] + p.off.signals);
+        red_add_release_sys(peer_signals + kSigRankBarrier, 1);
+      }
     }
-    const int done = signals[kSigRankBarrierDone] + 1;
-    signals[kSigRankBarrierDone] = done;
-    const int target = done * kNumRanks;
+    const int target = round * kNumRanks;
     bounded_wait(p, kErrRankBarrierTimeout,
                  [&] { return ld_acquire_sys(signals + kSigRankBarrier) - target >= 0; });
+    if (blockIdx.x == 0) signals[kSigRankBarrierDone] = round;
   }
-  grid_sync(p, signals);
+  __syncthreads();
 }
+
+// The number of cross-rank barriers this rank completed in earlier calls.
+__device__ __forceinline__ int rank_rounds_done(const int* signals) { return signals[kSigRankBarrierDone]; }
 
 // mbarrier helpers (CTA scope, shared memory).
 __device__ __forceinline__ void mbar_wait(const KernelParams& p, uint64_t* bar, uint32_t parity, uint32_t code) {

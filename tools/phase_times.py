@@ -1,0 +1,60 @@
+"""Where a call's time goes: runs the kernel stopped after each phase (the
+`_stop_after_phase` debug switch) and prints the cumulative times and their differences.
+
+    python3 tools/phase_times.py [--configs v4flash,v3] [--tokens 1,128,8192] [--iters 10]
+"""
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import megamoe_plugin as mm  # noqa: E402
+from bench_kernel import CONFIGS, LOCAL_EXPERTS  # noqa: E402
+from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer  # noqa: E402
+
+PHASES = [(2, "count+list+rank barrier"), (4, "layout+pull"), (5, "L1 GEMM+epilogue"), (6, "L2 GEMM+scatter"),
+          (0, "combine")]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", default="v4flash,v3")
+    parser.add_argument("--tokens", default="1,128,8192")
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens_list = [int(t) for t in args.tokens.split(",")]
+    for name in args.configs.split(","):
+        hidden, inter, topk = CONFIGS[name]
+        layer = random_layer(LOCAL_EXPERTS, hidden, inter, "cuda", gen)
+        buf = mm.get_symm_buffer(None, LOCAL_EXPERTS, max(tokens_list), topk, hidden, inter)
+        for n in tokens_list:
+            fill_buffer(buf, random_inputs(n, hidden, LOCAL_EXPERTS, topk, "uniform", "cuda", gen))
+            y = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
+            cumulative = []
+            for stop, _ in PHASES:
+                times = []
+                for _ in range(args.iters + 1):
+                    buf.view("send_count").zero_()
+                    buf.view("send_cursor").zero_()
+                    flush.zero_()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, _stop_after_phase=stop)
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end) * 1e3)
+                cumulative.append(statistics.median(times[1:]))
+            parts = [cumulative[0]] + [b - a for a, b in zip(cumulative, cumulative[1:])]
+            print(f"{name} n={n}: total {cumulative[-1]:.1f} us = " +
+                  ", ".join(f"{label} {t:.1f}" for (_, label), t in zip(PHASES, parts)), flush=True)
+        del layer, buf
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
