@@ -48,9 +48,12 @@ struct KernelConfig {
   static constexpr int kStageB = kBlockN * kBlockK;
   static constexpr int kStageBytes = align_up(kStageA + kStageB, 1024);
   static constexpr int kSmemBytes = kSmemStages + kNumStages * kStageBytes;
-  // Dispatch-phase scratch aliases the stage area: the send-side prefix over all experts,
-  // then per (local expert, source rank) counts and offsets.
-  static constexpr int kScratchInts = kNumExperts + 2 * kNumLocalExperts * kNumRanks;
+  // Dispatch-phase scratch aliases the stage area: first the per-CTA expert histogram
+  // and the send-side prefix over all experts, then per (local expert, source rank)
+  // counts and offsets; each plus 32 ints of scan scratch.
+  static constexpr int kSendScratchInts = 2 * kNumExperts + 32;
+  static constexpr int kRecvScratchInts = 2 * kNumLocalExperts * kNumRanks + 32;
+  static constexpr int kScratchInts = kSendScratchInts > kRecvScratchInts ? kSendScratchInts : kRecvScratchInts;
 
   static_assert(kHidden % 128 == 0 && kInter % 128 == 0, "H and I must be multiples of 128");
   static_assert(kBlockM == 64, "this kernel implements BLOCK_M = 64");

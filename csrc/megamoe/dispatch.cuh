@@ -55,22 +55,31 @@ __device__ int block_exclusive_scan(int* data, int n, int* scratch) {
 
 __device__ __forceinline__ bool is_valid_expert(int64_t e, int num_experts) { return e >= 0 && e < num_experts; }
 
-// Send side, step 1: count this rank's entries per global expert.
+// Send side, step 1: count this rank's entries per global expert. Each CTA first
+// histograms its share of the entries in shared memory (`local_count`, kept for step 2),
+// so the global counters take one atomic per (CTA, expert) instead of one per entry.
 template <class Cfg>
-__device__ void dispatch_count(const KernelParams& p, uint8_t* base) {
+__device__ void dispatch_count(const KernelParams& p, uint8_t* base, int* local_count) {
   const int64_t* topk_idx = reinterpret_cast<const int64_t*>(base + p.off.topk_idx);
   int* send_count = reinterpret_cast<int*>(base + p.off.send_count);
+  for (int e = threadIdx.x; e < Cfg::kNumExperts; e += blockDim.x) local_count[e] = 0;
+  __syncthreads();
   const int num_entries = p.num_tokens * Cfg::kTopk;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < num_entries; i += gridDim.x * blockDim.x) {
     const int64_t e = topk_idx[i];
-    if (is_valid_expert(e, Cfg::kNumExperts)) atomicAdd(send_count + e, 1);
+    if (is_valid_expert(e, Cfg::kNumExperts)) atomicAdd(local_count + e, 1);
   }
+  __syncthreads();
+  for (int e = threadIdx.x; e < Cfg::kNumExperts; e += blockDim.x)
+    if (local_count[e] != 0) atomicAdd(send_count + e, local_count[e]);
 }
 
-// Send side, step 2: list entries (token * K + slot) grouped by expert.
-// `scratch` is shared memory for kNumExperts + 32 ints.
+// Send side, step 2: list entries (token * K + slot) grouped by expert. Each CTA
+// reserves one range per expert for the entries it counted in step 1 (the same
+// grid-stride share), then fills it through shared-memory cursors.
+// `scratch` is shared memory for kNumExperts + 32 ints besides `local_count`.
 template <class Cfg>
-__device__ void dispatch_list(const KernelParams& p, uint8_t* base, int* scratch) {
+__device__ void dispatch_list(const KernelParams& p, uint8_t* base, int* local_count, int* scratch) {
   const int64_t* topk_idx = reinterpret_cast<const int64_t*>(base + p.off.topk_idx);
   int* send_count = reinterpret_cast<int*>(base + p.off.send_count);
   int* send_cursor = reinterpret_cast<int*>(base + p.off.send_cursor);
@@ -84,10 +93,14 @@ __device__ void dispatch_list(const KernelParams& p, uint8_t* base, int* scratch
   if (blockIdx.x == 0)
     for (int e = threadIdx.x; e < Cfg::kNumExperts; e += blockDim.x) send_offset[e] = offsets[e];
 
+  // local_count[e] becomes this CTA's next free position in expert e's list.
+  for (int e = threadIdx.x; e < Cfg::kNumExperts; e += blockDim.x)
+    if (local_count[e] != 0) local_count[e] = offsets[e] + atomicAdd(send_cursor + e, local_count[e]);
+  __syncthreads();
   const int num_entries = p.num_tokens * Cfg::kTopk;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < num_entries; i += gridDim.x * blockDim.x) {
     const int64_t e = topk_idx[i];
-    if (is_valid_expert(e, Cfg::kNumExperts)) send_list[offsets[e] + atomicAdd(send_cursor + e, 1)] = i;
+    if (is_valid_expert(e, Cfg::kNumExperts)) send_list[atomicAdd(local_count + e, 1)] = i;
   }
 }
 
@@ -164,8 +177,18 @@ __device__ void dispatch_pull(const KernelParams& p, uint8_t* base, const Expert
 
     const uint4* src_x = reinterpret_cast<const uint4*>(peer + p.off.x + (int64_t)token * H);
     uint4* dst_x = reinterpret_cast<uint4*>(pool_x + (int64_t)row * H);
-#pragma unroll 4
-    for (int v = lane; v < H / 16; v += 32) dst_x[v] = __ldcg(src_x + v);
+    // Batches of kBatch 16-byte loads per lane are in flight before any store.
+    constexpr int kVecs = H / 16, kBatch = 8;
+#pragma unroll
+    for (int v0 = 0; v0 < kVecs; v0 += 32 * kBatch) {
+      uint4 chunk[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+        if (v0 + 32 * b + lane < kVecs) chunk[b] = __ldcg(src_x + v0 + 32 * b + lane);
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+        if (v0 + 32 * b + lane < kVecs) dst_x[v0 + 32 * b + lane] = chunk[b];
+    }
     const float* src_sf = reinterpret_cast<const float*>(peer + p.off.x_sf) + (int64_t)token * kNumSf;
     for (int g = lane; g < kNumSf; g += 32) pool_sf[(int64_t)g * p.pool_capacity + row] = __ldcg(src_sf + g);
     if (lane == 0) {

@@ -102,9 +102,9 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   }
 
   // 1-2: send side.
-  dispatch_count<Cfg>(p, base);
+  dispatch_count<Cfg>(p, base, scratch);
   grid_sync(p, signals);
-  dispatch_list<Cfg>(p, base, scratch);
+  dispatch_list<Cfg>(p, base, scratch, scratch + Cfg::kNumExperts);
   __threadfence_system();
   rank_sync<Cfg::kNumRanks>(p, signals, rounds_before + 1);
   if (p.stop_after_phase == 2) return;
