@@ -175,8 +175,9 @@ def _kernel_handle(device: torch.device, variant: KernelVariant) -> int:
 
 
 def _params_handle(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, block_m: int) -> int:
-    key = (id(buf), buf.storage.data_ptr(), l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(), l2[1].data_ptr(),
-           block_m)
+    # The shape is part of the key: a freed buffer's id and address can come back with another layout.
+    key = (id(buf), buf.storage.data_ptr(), buf.shape, l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(),
+           l2[1].data_ptr(), block_m)
     handle = _params.get(key)
     if handle is None:
         s = buf.shape

@@ -34,10 +34,9 @@
 
 namespace megamoe {
 
-template <class Cfg>
-__device__ __forceinline__ void fence_generic_to_async() {
-  cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
-}
+// Global memory written with ordinary stores and read next by TMA (the async proxy)
+// on another SM: each writer fences before the barrier that publishes the data.
+__device__ __forceinline__ void fence_generic_to_async() { cuda::ptx::fence_proxy_async(cuda::ptx::space_global); }
 
 template <class Cfg, bool kIsL2>
 __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
@@ -118,7 +117,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
     dispatch_layout<Cfg>(p, tables, src_count, src_offset, scan_scratch);
     dispatch_pull<Cfg>(p, base, tables, src_count, src_offset);
   }
-  fence_generic_to_async<Cfg>();
+  fence_generic_to_async();
   grid_sync(p, signals);  // also frees the scratch for the pipeline stages
   if (p.stop_after_phase == 4) return;
 
@@ -132,7 +131,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   } else if (threadIdx.x >= 128) {
     math_phase<Cfg, false>(p, base, tables, sv, full, empty, ps, amax_exchange, parity);
   }
-  fence_generic_to_async<Cfg>();
+  fence_generic_to_async();
   grid_sync(p, signals);
   if (p.stop_after_phase == 5) return;
   if (is_producer) {
