@@ -230,7 +230,13 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     kernel = _kernel_handle(buf.device, variant)
     params = _params_handle(buf, tuple(l1), tuple(l2), variant.block_m)
     stats = cumulative_local_expert_recv_stats
-    _runtime().launch(kernel, params, y.data_ptr(), num_tokens, 0 if stats is None else stats.data_ptr(),
-                      math.inf if activation_clamp is None else float(activation_clamp), _grid_size(buf),
-                      NUM_THREADS, torch.cuda.current_stream(buf.device).cuda_stream, _stop_after_phase)
+    try:
+        _runtime().launch(kernel, params, y.data_ptr(), num_tokens, 0 if stats is None else stats.data_ptr(),
+                          math.inf if activation_clamp is None else float(activation_clamp), _grid_size(buf),
+                          NUM_THREADS, torch.cuda.current_stream(buf.device).cuda_stream, _stop_after_phase)
+    except RuntimeError as exc:  # the runtime refuses to launch after a kernel failed: say which wait
+        reason = kernel_error()
+        if reason is not None:
+            raise RuntimeError(f"{reason}; the CUDA context is unusable") from exc
+        raise
     return y
