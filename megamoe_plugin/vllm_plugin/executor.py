@@ -18,7 +18,6 @@ Symmetric buffers
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import threading
@@ -153,20 +152,6 @@ def rank_equal_num_tokens(num_tokens: int) -> int:
     return max(int(across.max()), num_tokens)
 
 
-_op_kwarg: Optional[str] = None
-
-
-def _config_kwarg() -> Optional[str]:
-    """The op layer's keyword for the rank-equal token count, if it has one."""
-    global _op_kwarg
-    if _op_kwarg is None:
-        import megamoe_plugin as mm
-
-        params = inspect.signature(mm.fp8_mega_moe).parameters
-        _op_kwarg = next((name for name in ("config_num_tokens", "num_tokens_for_config") if name in params), "")
-    return _op_kwarg or None
-
-
 # ------------------------------------------------------------------ warm-up
 
 
@@ -190,15 +175,11 @@ def maybe_warmup(buf, l1, l2, token_counts: Iterable[int]) -> None:
     if key in _warmed:
         return
     _warmed.add(key)
-    warm = getattr(ops, "warmup", None)
-    if warm is None:
-        logger.warning("megamoe_sm90: the op layer has no warmup(); kernels compile on first use")
-        return
     counts = list(token_counts)
     t0 = time.perf_counter()
     logger.info("megamoe_sm90: compiling the kernel variants for %d batch sizes (%d..%d tokens)", len(counts),
                 counts[0], counts[-1])
-    n = warm(buf, l1, l2, counts)
+    n = ops.warmup(buf, l1, l2, counts)
     logger.info("megamoe_sm90: %s kernel variant(s) ready in %.1fs", n, time.perf_counter() - t0)
 
 
@@ -210,11 +191,8 @@ def run_kernel(output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torc
     import megamoe_plugin as mm
 
     n = mm.stage_inputs(buf, hidden_states, topk_ids, topk_weights)
-    kwargs = {}
-    name = _config_kwarg()
-    if name is not None:
-        kwargs[name] = rank_equal_num_tokens(n)
-    mm.fp8_mega_moe(output[:n], l1, l2, buf, activation_clamp=activation_clamp, fast_math=True, **kwargs)
+    mm.fp8_mega_moe(output[:n], l1, l2, buf, activation_clamp=activation_clamp, fast_math=True,
+                    config_num_tokens=rank_equal_num_tokens(n))
 
 
 def run_reference(output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,

@@ -334,14 +334,12 @@ def kernel_executor_with_fake_op(monkeypatch):
 
     monkeypatch.setattr(mm, "fp8_mega_moe", fake_op)
     monkeypatch.setattr(ops, "warmup", fake_warmup)
-    monkeypatch.setattr(executor, "_op_kwarg", None)
     previous = executor.set_executor("kernel")
     executor.clear_buffers()
     with refusals.override_probe(FakeSM90()):
         yield calls
     executor.set_executor(previous)
     executor.clear_buffers()
-    executor._op_kwarg = None
 
 
 def test_kernel_executor_glue(vllm_config, dist_env, kernel_executor_with_fake_op):
