@@ -1,0 +1,40 @@
+"""How precise must the L1 GEMM be for the per-token 1e-2 bound of DESIGN.md section 2?
+Runs the reference with its L1 output perturbed by Gaussian noise of relative size eps
+(relative to each row's largest output) and reports the error of y against the exact
+reference. CPU is enough.
+
+    python3 tools/l1_noise_sensitivity.py [H I K E N]
+"""
+import sys
+
+import torch
+
+from megamoe_plugin import reference
+from megamoe_plugin.fp8 import dequantize_per_token_group, dequantize_weight_blocks
+from megamoe_plugin.testing import random_inputs, random_layer
+
+
+def main():
+    H, I, K, E, N = [int(a) for a in sys.argv[1:]] or [2048, 768, 8, 32, 512]
+    gen = torch.Generator().manual_seed(7)
+    layer = random_layer(E, H, I, "cpu", gen)
+    inputs = random_inputs(N, H, E, K, "uniform", "cpu", gen)
+    ranks = [{k: v for k, v in inputs.items() if k != "hidden_states"}]
+    exact = reference.mega_moe(ranks, [layer.checkpoint], E)[0].double()
+    for eps in (1e-3, 3e-4, 1e-4, 3e-5, 1e-5, 3e-6):
+        noise = torch.Generator().manual_seed(1)
+
+        def noisy_l1(x, x_sf, w, w_sf):
+            h = dequantize_per_token_group(x, x_sf).double() @ dequantize_weight_blocks(w, w_sf).double().T
+            row_max = h.abs().amax(dim=1, keepdim=True)
+            return (h + eps * row_max * torch.randn(h.shape, generator=noise, dtype=torch.float64)).float()
+
+        y = reference.mega_moe(ranks, [layer.checkpoint], E, l1_gemm=noisy_l1)[0].double()
+        rel = (y - exact).norm(dim=1) / exact.norm(dim=1)
+        print(f"eps {eps:.0e}: calc_diff {reference.calc_diff(y, exact):.2e}, per-token p99 "
+              f"{float(rel.quantile(0.99)):.2e} max {float(rel.max()):.2e}, {int((rel > 1e-2).sum())} of {N} "
+              f"tokens over 1e-2", flush=True)
+
+
+if __name__ == "__main__":
+    main()
