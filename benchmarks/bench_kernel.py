@@ -1,13 +1,16 @@
-"""Kernel benchmark on one GPU against the floors of DESIGN.md section 8.
+"""Kernel benchmark against the floors of DESIGN.md section 8, on one GPU or on R GPUs.
 
-For each reference config and token count: kernel device time (median of --iters
-calls, L2 flushed before each), TFLOPS, and the floor max(bytes / measured HBM
-bandwidth, FLOPs / measured FP8 GEMM rate) with time / floor. Both ceilings are
-measured in the same run.
+For each reference config (32 local experts per rank) and token count per rank: kernel
+device time (median of --iters calls, L2 flushed and ranks aligned by a barrier before
+each; with R ranks the slowest rank's median), TFLOPS, and rank 0's floor max(bytes /
+measured HBM bandwidth, FLOPs / measured FP8 GEMM rate, NVLink bytes / measured peer
+bandwidth) with time / floor. The ceilings are measured in the same run.
 
     python benchmarks/bench_kernel.py [--configs v3,v4flash] [--tokens 1,8,128] [--iters 20]
+    torchrun --nproc-per-node 2 benchmarks/bench_kernel.py ...     # R = 2 over NVLink
 """
 import argparse
+import os
 import statistics
 
 import torch
@@ -51,14 +54,57 @@ def measure_fp8_rate() -> float:
     return 2 * n ** 3 * 10 / (start.elapsed_time(end) * 1e-3)
 
 
-def floor_seconds(inputs, hidden, inter, topk, bandwidth, fp8_rate):
-    idx = inputs["topk_idx"]
-    rows = int((idx >= 0).sum())
-    experts_hit = int(torch.unique(idx[idx >= 0]).numel())
-    weight_bytes = experts_hit * (2 * inter * hidden + hidden * inter)
-    act_bytes = idx.shape[0] * hidden * (1 + 2) + rows * (hidden + 2 * inter + 2 * hidden)
-    flops = 2 * rows * (2 * inter * hidden + inter * hidden)
-    return max((weight_bytes + act_bytes) / bandwidth, flops / fp8_rate), flops
+def measure_peer_bandwidth(buf) -> float:
+    """Bytes/s of this rank reading the next rank's symmetric buffer over NVLink."""
+    region = buf.layout.regions["pool_x"]
+    nbytes = min(region.nbytes, 1 << 30)
+    peer = (buf.rank + 1) % buf.num_ranks
+    src = buf._symm_handle.get_buffer(peer, (nbytes,), torch.uint8, region.offset)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return nbytes * 10 / (start.elapsed_time(end) * 1e-3)
+
+
+def rank_floor(all_idx, rank, num_ranks, hidden, inter, ceilings):
+    """(floor seconds, FLOPs) of one rank, from every rank's routing (list of [n, K] ids)."""
+    bandwidth, fp8_rate, peer_bandwidth = ceilings
+    local = range(rank * LOCAL_EXPERTS, (rank + 1) * LOCAL_EXPERTS)
+    rows = pulled = returned = 0
+    experts_hit = set()
+    for src, idx in enumerate(all_idx):
+        valid = idx[idx >= 0]
+        mine = valid[(valid >= local.start) & (valid < local.stop)]
+        rows += mine.numel()
+        experts_hit.update(mine.unique().tolist())
+        if src != rank:
+            pulled += mine.numel()  # rows this rank pulls in, and scatters back out
+        else:
+            returned += int(((valid < local.start) | (valid >= local.stop)).sum())  # rows others send back
+    weight_bytes = len(experts_hit) * 3 * inter * hidden
+    act_bytes = all_idx[rank].shape[0] * hidden * 3 + rows * (hidden + 2 * inter + 2 * hidden)
+    nvlink_in = (pulled * (hidden + hidden // 128 * 4) + returned * 2 * hidden) if num_ranks > 1 else 0
+    nvlink_out = pulled * 2 * hidden if num_ranks > 1 else 0
+    flops = 2 * rows * 3 * inter * hidden
+    floor = max((weight_bytes + act_bytes) / bandwidth, flops / fp8_rate,
+                max(nvlink_in, nvlink_out) / peer_bandwidth if num_ranks > 1 else 0.0)
+    return floor, flops
+
+
+def init_world():
+    """(rank, number of ranks, process group): torchrun's world, or one rank without it."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return 0, 1, None
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    return dist.get_rank(), dist.get_world_size(), dist.group.WORLD
 
 
 def main():
@@ -68,17 +114,32 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     tokens_list = [int(t) for t in args.tokens.split(",")]
+    rank, num_ranks, group = init_world()
+    if group is not None:
+        import torch.distributed as dist
+    say = print if rank == 0 else (lambda *a, **k: None)
     bandwidth, fp8_rate = measure_hbm_bandwidth(), measure_fp8_rate()
-    print(f"device {torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, FP8 GEMM {fp8_rate / 1e12:.0f} TFLOP/s")
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    print(f"{'config':8s} {'tokens':>6s} {'time_us':>9s} {'TFLOPS':>7s} {'floor_us':>9s} {'ratio':>6s}")
+    gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
+    peer_bandwidth = None
     for name in args.configs.split(","):
         hidden, inter, topk = CONFIGS[name]
+        num_experts = LOCAL_EXPERTS * num_ranks
         layer = random_layer(LOCAL_EXPERTS, hidden, inter, "cuda", gen)
-        buf = mm.get_symm_buffer(None, LOCAL_EXPERTS, max(tokens_list), topk, hidden, inter)
+        buf = mm.get_symm_buffer(group, num_experts, max(tokens_list), topk, hidden, inter)
+        if peer_bandwidth is None:
+            peer_bandwidth = float("inf")  # no NVLink term with one rank (or if it cannot be measured)
+            if num_ranks > 1:
+                try:
+                    peer_bandwidth = measure_peer_bandwidth(buf)
+                except (AttributeError, RuntimeError, TypeError) as exc:
+                    say(f"peer bandwidth not measured ({exc}); the NVLink floor term is left out")
+            say(f"{num_ranks} x {torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, FP8 GEMM "
+                f"{fp8_rate / 1e12:.0f} TFLOP/s" + (f", peer read {peer_bandwidth / 1e9:.0f} GB/s" if num_ranks > 1
+                                                   else ""))
+            say(f"{'config':8s} {'tokens':>6s} {'time_us':>9s} {'TFLOPS':>7s} {'floor_us':>9s} {'ratio':>6s}")
         for n in tokens_list:
-            inputs = random_inputs(n, hidden, LOCAL_EXPERTS, topk, "uniform", "cuda", gen)
+            inputs = random_inputs(n, hidden, num_experts, topk, "uniform", "cuda", gen)
             fill_buffer(buf, inputs)
             y = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
             mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
@@ -86,6 +147,8 @@ def main():
             times = []
             for _ in range(args.iters):
                 flush.zero_()
+                if group is not None:
+                    dist.barrier(group)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
@@ -93,9 +156,17 @@ def main():
                 end.synchronize()
                 times.append(start.elapsed_time(end) * 1e-3)
             t = statistics.median(times)
-            floor, flops = floor_seconds(inputs, hidden, inter, topk, bandwidth, fp8_rate)
-            print(f"{name:8s} {n:6d} {t * 1e6:9.1f} {flops / t / 1e12:7.1f} {floor * 1e6:9.1f} {t / floor:6.2f}",
-                  flush=True)
+            all_idx = [inputs["topk_idx"]]
+            if group is not None:
+                all_idx = [None] * num_ranks
+                dist.all_gather_object(all_idx, inputs["topk_idx"].cpu(), group)
+                per_rank = [None] * num_ranks
+                dist.all_gather_object(per_rank, t, group)
+                t = max(per_rank)  # the slowest rank bounds the step
+            floor, flops = rank_floor([i.cpu() for i in all_idx], rank, num_ranks, hidden, inter,
+                                      (bandwidth, fp8_rate, peer_bandwidth))
+            say(f"{name:8s} {n:6d} {t * 1e6:9.1f} {flops / t / 1e12:7.1f} {floor * 1e6:9.1f} {t / floor:6.2f}",
+                flush=True)
         del layer, buf
         torch.cuda.empty_cache()
 
