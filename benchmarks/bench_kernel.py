@@ -10,6 +10,7 @@ bandwidth) with time / floor. The ceilings are measured in the same run.
     torchrun --nproc-per-node 2 benchmarks/bench_kernel.py ...     # R = 2 over NVLink
 """
 import argparse
+import functools
 import os
 import statistics
 
@@ -22,19 +23,38 @@ CONFIGS = {"v3": (7168, 2048, 8), "v4flash": (4096, 2048, 6), "qwen235": (4096, 
 LOCAL_EXPERTS = 32
 
 
+def timed_seconds(fn, iters: int) -> float:
+    """Device seconds of `iters` back-to-back calls of fn, between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3
+
+
+def median_call_seconds(fn, iters: int, before=None) -> float:
+    """Median device seconds of one call of fn over `iters` calls, after one untimed
+    warm-up call; `before()` runs untimed before every call, the warm-up included (L2
+    flush, rank barrier, state reset)."""
+    times = []
+    for i in range(iters + 1):
+        if before is not None:
+            before()
+        t = timed_seconds(fn, 1)
+        if i > 0:
+            times.append(t)
+    return statistics.median(times)
+
+
 def measure_hbm_bandwidth() -> float:
     """Bytes/s of a device-to-device copy, counting read + write."""
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) * 1e-3)
+    return 2 * src.numel() * 10 / timed_seconds(lambda: dst.copy_(src), 10)
 
 
 def measure_fp8_rate() -> float:
@@ -43,15 +63,13 @@ def measure_fp8_rate() -> float:
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
     one = torch.ones((), device="cuda")
+
+    def gemm():
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
     for _ in range(3):
-        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * n ** 3 * 10 / (start.elapsed_time(end) * 1e-3)
+        gemm()
+    return 2 * n ** 3 * 10 / timed_seconds(gemm, 10)
 
 
 def measure_peer_bandwidth(buf) -> float:
@@ -62,13 +80,7 @@ def measure_peer_bandwidth(buf) -> float:
     src = buf._symm_handle.get_buffer(peer, (nbytes,), torch.uint8, region.offset)
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return nbytes * 10 / (start.elapsed_time(end) * 1e-3)
+    return nbytes * 10 / timed_seconds(lambda: dst.copy_(src), 10)
 
 
 def rank_floor(all_idx, rank, num_ranks, hidden, inter, ceilings):
@@ -142,20 +154,14 @@ def main():
             inputs = random_inputs(n, hidden, num_experts, topk, "uniform", "cuda", gen)
             fill_buffer(buf, inputs)
             y = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
-            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
-            mm.ops.synchronize()
-            times = []
-            for _ in range(args.iters):
+
+            def before_call():
                 flush.zero_()
                 if group is not None:
                     dist.barrier(group)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e-3)
-            t = statistics.median(times)
+
+            t = median_call_seconds(functools.partial(mm.fp8_mega_moe, y, layer.l1, layer.l2, buf), args.iters,
+                                    before_call)
             all_idx = [inputs["topk_idx"]]
             if group is not None:
                 all_idx = [None] * num_ranks

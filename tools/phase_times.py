@@ -4,19 +4,26 @@
     python3 tools/phase_times.py [--configs v4flash,v3] [--tokens 1,128,8192] [--iters 10]
 """
 import argparse
+import functools
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import megamoe_plugin as mm  # noqa: E402
-from bench_kernel import CONFIGS, LOCAL_EXPERTS  # noqa: E402
+from bench_kernel import CONFIGS, LOCAL_EXPERTS, median_call_seconds  # noqa: E402
 from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer  # noqa: E402
 
 PHASES = [(2, "count+list+rank barrier"), (4, "layout+pull"), (5, "L1 GEMM+epilogue"), (6, "L2 GEMM+scatter"),
           (0, "combine")]
+
+
+def reset_and_flush(buf, flush):
+    """Untimed before each call: a stopped call leaves the send counters set."""
+    buf.view("send_count").zero_()
+    buf.view("send_cursor").zero_()
+    flush.zero_()
 
 
 def main():
@@ -36,19 +43,10 @@ def main():
             fill_buffer(buf, random_inputs(n, hidden, LOCAL_EXPERTS, topk, "uniform", "cuda", gen))
             y = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
             cumulative = []
+            before_call = functools.partial(reset_and_flush, buf, flush)
             for stop, _ in PHASES:
-                times = []
-                for _ in range(args.iters + 1):
-                    buf.view("send_count").zero_()
-                    buf.view("send_cursor").zero_()
-                    flush.zero_()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, _stop_after_phase=stop)
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end) * 1e3)
-                cumulative.append(statistics.median(times[1:]))
+                call = functools.partial(mm.fp8_mega_moe, y, layer.l1, layer.l2, buf, _stop_after_phase=stop)
+                cumulative.append(median_call_seconds(call, args.iters, before_call) * 1e6)
             parts = [cumulative[0]] + [b - a for a, b in zip(cumulative, cumulative[1:])]
             print(f"{name} n={n}: total {cumulative[-1]:.1f} us = " +
                   ", ".join(f"{label} {t:.1f}" for (_, label), t in zip(PHASES, parts)), flush=True)
