@@ -49,12 +49,18 @@ setup(
     name="megamoe_plugin",
     version="0.1.0",
     description="Fused expert-parallel FP8 MoE (MegaMoE) for NVIDIA Hopper, as a vLLM plugin",
-    packages=find_packages(include=["megamoe_plugin", "megamoe_plugin.*"]),
+    # The kernel sources (JIT-compiled at run time) and the tuned config tables ship inside
+    # the package, so a non-editable install (pip install --target, a wheel) finds them too;
+    # megamoe_plugin/paths.py prefers these copies and falls back to the source tree.
+    packages=find_packages(include=["megamoe_plugin", "megamoe_plugin.*"])
+    + ["megamoe_plugin._csrc", "megamoe_plugin._configs"],
+    package_dir={"megamoe_plugin._csrc": "csrc", "megamoe_plugin._configs": "configs"},
+    package_data={"megamoe_plugin._csrc": ["megamoe/*"], "megamoe_plugin._configs": ["*.json"]},
     ext_modules=ext_modules,
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "pybind11>=2.10", "setuptools>=64", "wheel"],
         "vllm": ["vllm>=0.24"],
         "cutlass": ["nvidia-cutlass>=3.5"],
     },

@@ -1,0 +1,49 @@
+"""A non-editable install (a wheel, `pip install --target`: how vLLM users and the GPU
+harness install plugins) must carry the JIT kernel sources and the config tables, and
+must hash the sources exactly as the source tree does, so a carried JIT cache still hits."""
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
+                    str(REPO)], check=True)
+    (path,) = out.glob("megamoe_plugin-*.whl")
+    return path
+
+
+def test_wheel_ships_kernel_sources_and_configs(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for src in sorted((REPO / "csrc" / "megamoe").iterdir()):
+        assert f"megamoe_plugin/_csrc/megamoe/{src.name}" in names
+    for cfg in sorted((REPO / "configs").glob("*.json")):
+        assert f"megamoe_plugin/_configs/{cfg.name}" in names
+    assert any(n.endswith(".dist-info/entry_points.txt") for n in names)
+
+
+def test_installed_copy_finds_its_own_files_with_the_same_cache_key(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True)
+    probe = ("import json, megamoe_plugin.paths as p, megamoe_plugin.jit as j, megamoe_plugin.configs as c;"
+             "print(json.dumps([str(p.CSRC_DIR), str(p.CONFIGS_DIR), j._sources_digest()]))")
+    # Run outside the repo so the source tree cannot shadow the installed copy.
+    env = dict(os.environ, PYTHONPATH=str(target))
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=True).stdout
+    from megamoe_plugin import jit
+
+    csrc, configs, digest = json.loads(out)
+    assert Path(csrc) == target / "megamoe_plugin" / "_csrc"
+    assert Path(configs) == target / "megamoe_plugin" / "_configs"
+    assert digest == jit._sources_digest()
