@@ -26,7 +26,77 @@ def test_within_and_over_tolerance(tmp_path, capsys):
 
 
 def test_different_prompts_are_refused(tmp_path):
-    a = _write(tmp_path / "a.json", [None, -1.0], prompt="p")
-    b = _write(tmp_path / "b.json", [None, -1.0], prompt="q")
+    a = _write(tmp_path / "a.json", [None, -1.0, -2.0], prompt="p")
+    b = _write(tmp_path / "b.json", [None, -1.0, -2.0], prompt="q")
     with pytest.raises(ValueError, match="prompts differ"):
         compare_logprobs.main([a, b])
+
+
+_spec_w = importlib.util.spec_from_file_location(
+    "scaled_dummy_weights", Path(__file__).resolve().parent.parent / "tools" / "e2e" / "scaled_dummy_weights.py")
+scaled_dummy_weights = importlib.util.module_from_spec(_spec_w)
+_spec_w.loader.exec_module(scaled_dummy_weights)
+
+
+def _toy_block_fp8_model():
+    import torch
+
+    class Linear(torch.nn.Module):
+        def __init__(self, out_f, in_f):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(out_f, in_f, dtype=torch.float8_e4m3fn), requires_grad=False)
+            self.weight_scale_inv = torch.nn.Parameter(torch.empty(out_f // 128, in_f // 128), requires_grad=False)
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w13_weight = torch.nn.Parameter(torch.empty(4, 512, 256, dtype=torch.float8_e4m3fn),
+                                                 requires_grad=False)
+            self.w13_weight_scale_inv = torch.nn.Parameter(torch.empty(4, 4, 2), requires_grad=False)
+            self.w2_weight = torch.nn.Parameter(torch.empty(4, 256, 256, dtype=torch.float8_e4m3fn),
+                                                requires_grad=False)
+            self.w2_weight_scale_inv = torch.nn.Parameter(torch.empty(4, 2, 2), requires_grad=False)
+
+    model = torch.nn.Module()
+    model.embed_tokens = torch.nn.Embedding(1000, 256)
+    model.input_layernorm = torch.nn.Module()
+    model.input_layernorm.weight = torch.nn.Parameter(torch.empty(256))
+    model.qkv_proj = Linear(384, 256)
+    model.experts = Experts()
+    model.lm_head = torch.nn.Linear(256, 1000, bias=False)
+    model.bias = torch.nn.Parameter(torch.empty(7))
+    return model
+
+
+def test_scaled_dummy_weights_are_realistic_and_seeded_by_name():
+    import torch
+
+    a, b = _toy_block_fp8_model(), _toy_block_fp8_model()
+    assert scaled_dummy_weights.fill(a) == ["bias"]
+    scaled_dummy_weights.fill(b)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        if name == "bias":
+            continue  # no rule: left as created (torch.empty)
+        assert torch.equal(pa.float(), pb.float()), name  # same name -> same values, run to run
+        assert torch.isfinite(pa.float()).all(), name
+    norm = a.input_layernorm.weight
+    assert 0.9 <= norm.min() and norm.max() <= 1.1
+    for weight, scale in ((a.qkv_proj.weight, a.qkv_proj.weight_scale_inv),
+                          (a.experts.w13_weight, a.experts.w13_weight_scale_inv),
+                          (a.experts.w2_weight, a.experts.w2_weight_scale_inv)):
+        assert (scale > 0).all()
+        w = weight.float()
+        assert (w != 0).float().mean() > 0.95  # FP8 values well inside e4m3's range, not rounded away
+        blocks = scale.repeat_interleave(128, -2).repeat_interleave(128, -1)
+        dequant_std = (w * blocks).std().item()
+        fan_in = weight.shape[-1]
+        assert 0.7 / fan_in ** 0.5 < dequant_std < 1.3 / fan_in ** 0.5
+    assert abs(a.lm_head.weight.std().item() - 3 / 256 ** 0.5) < 0.02
+
+
+def test_degenerate_reference_is_refused(tmp_path, capsys):
+    flat = [None] + [-10.3734] * 5  # uniform next-token distributions: no information
+    a = _write(tmp_path / "a.json", flat)
+    b = _write(tmp_path / "b.json", flat)
+    assert compare_logprobs.main([a, b]) == 2
+    assert "degenerate" in capsys.readouterr().out
