@@ -83,10 +83,10 @@ def measure_peer_bandwidth(buf) -> float:
     return nbytes * 10 / timed_seconds(lambda: dst.copy_(src), 10)
 
 
-def rank_floor(all_idx, rank, num_ranks, hidden, inter, ceilings):
+def rank_floor(all_idx, rank, num_ranks, hidden, inter, ceilings, local_experts=LOCAL_EXPERTS):
     """(floor seconds, FLOPs) of one rank, from every rank's routing (list of [n, K] ids)."""
     bandwidth, fp8_rate, peer_bandwidth = ceilings
-    local = range(rank * LOCAL_EXPERTS, (rank + 1) * LOCAL_EXPERTS)
+    local = range(rank * local_experts, (rank + 1) * local_experts)
     rows = pulled = returned = 0
     experts_hit = set()
     for src, idx in enumerate(all_idx):

@@ -1,0 +1,102 @@
+"""One MoE layer through vLLM's own Triton FP8 MoE and through megamoe_sm90, on the same
+BF16 hidden states, routing and block-FP8 weights: how far each is from the float32
+reference of DESIGN.md section 2 and from each other, and how long each takes beside
+the floor. Needs vllm (on the GPU machine: the tools/e2e bundle, see tools/e2e/README.md).
+
+Default shape: the e2e model's MoE layer (H 2048, I 768, 128 experts, top-8, one GPU).
+Timed as vLLM runs decode: each path captured in a CUDA graph (megamoe: stage_inputs +
+fp8_mega_moe; vLLM: fused_experts, which quantizes its input itself), L2 flushed before
+every replay, median of --iters.
+
+    python benchmarks/bench_vs_vllm.py [--tokens 1,8,64,256,512] [--hidden 2048 --inter 768 --experts 128 --topk 8]
+"""
+import argparse
+import functools
+
+import torch
+
+import megamoe_plugin as mm
+from bench_kernel import measure_fp8_rate, measure_hbm_bandwidth, median_call_seconds, rank_floor
+from megamoe_plugin.fp8 import quantize_per_token_group
+from megamoe_plugin.reference import calc_diff, mega_moe
+from megamoe_plugin.testing import random_layer, random_routing
+
+
+def vllm_triton_moe(layer, block=128):
+    """fused_experts(hidden, topk_weights, topk_ids) with the layer's checkpoint weights."""
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+    ckpt = layer.checkpoint
+    quant = fp8_w8a8_moe_quant_config(w1_scale=ckpt["w13_scale"], w2_scale=ckpt["w2_scale"],
+                                      block_shape=[block, block])
+    return functools.partial(fused_experts, w1=ckpt["w13"], w2=ckpt["w2"], quant_config=quant)
+
+
+def worst_token_rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y, ref = y.float(), ref.float()
+    return ((y - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)).max().item()
+
+
+def graphed(fn):
+    """fn captured once in a CUDA graph; returns the replay."""
+    fn()  # compile / autotune outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", default="1,8,16,32,64,128,256,512")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--inter", type=int, default=768)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    tokens_list = [int(t) for t in args.tokens.split(",")]
+    h, inter, num_experts, topk = args.hidden, args.inter, args.experts, args.topk
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    bandwidth, fp8_rate = measure_hbm_bandwidth(), measure_fp8_rate()
+    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    layer = random_layer(num_experts, h, inter, "cuda", gen)
+    triton_moe = vllm_triton_moe(layer)
+    buf = mm.get_symm_buffer(None, num_experts, max(tokens_list), topk, h, inter)
+    mm.ops.warmup(buf, layer.l1, layer.l2, tokens_list)
+    print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, FP8 GEMM {fp8_rate / 1e12:.0f} TFLOP/s; "
+          f"H {h} I {inter} E {num_experts} top-{topk}")
+    print(f"{'tokens':>6s} | {'megamoe_us':>10s} {'vllm_us':>8s} {'floor_us':>8s} {'mm/floor':>8s} {'vllm/mm':>7s} | "
+          f"calc_diff and worst-token rel. error: megamoe-ref, vllm-ref, megamoe-vllm")
+    for n in tokens_list:
+        hidden = torch.randn(n, h, generator=gen, device="cuda").to(torch.bfloat16)
+        idx = random_routing(n, num_experts, topk, "uniform", "cuda", gen)
+        weights = torch.softmax(torch.randn(n, topk, generator=gen, device="cuda"), dim=-1)
+        y = torch.full((n, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+        def megamoe():
+            mm.stage_inputs(buf, hidden, idx, weights)
+            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
+
+        def vllm():
+            return triton_moe(hidden, topk_weights=weights, topk_ids=idx.to(torch.int32))
+
+        megamoe()
+        y_vllm = vllm()
+        x, x_sf = quantize_per_token_group(hidden)
+        ref = mega_moe([dict(x=x, x_sf=x_sf, topk_idx=idx, topk_weights=weights)],
+                       [layer.checkpoint], num_experts)[0]
+        errors = [(calc_diff(a, b), worst_token_rel(a, b)) for a, b in ((y, ref), (y_vllm, ref), (y, y_vllm))]
+
+        t_mm = median_call_seconds(graphed(megamoe), args.iters, flush.zero_)
+        t_vllm = median_call_seconds(graphed(vllm), args.iters, flush.zero_)
+        floor, _ = rank_floor([idx.cpu()], 0, 1, h, inter, (bandwidth, fp8_rate, float("inf")), num_experts)
+        print(f"{n:6d} | {t_mm * 1e6:10.1f} {t_vllm * 1e6:8.1f} {floor * 1e6:8.1f} {t_mm / floor:8.2f} "
+              f"{t_vllm / t_mm:7.2f} | " + ", ".join(f"{d:.1e}/{r:.1e}" for d, r in errors), flush=True)
+
+
+if __name__ == "__main__":
+    main()
