@@ -27,6 +27,12 @@ _ERROR_NAMES = {
 }
 
 
+# Input errors a kernel survived (csrc/megamoe/params.h InputError): it dropped the entry.
+_INPUT_ERROR_NAMES = {
+    1: "topk_idx held an expert id outside [-1, num_experts); those slots were dropped, so that call's y is wrong",
+}
+
+
 def _timeout_s() -> float:
     return float(os.environ.get("MEGAMOE_TIMEOUT_S", "30"))
 
@@ -48,8 +54,20 @@ def kernel_error() -> Optional[str]:
     return f"megamoe kernel timed out waiting on the {_ERROR_NAMES.get(code & 0xFF, f'unknown wait {code}')}"
 
 
+def raise_input_errors() -> None:
+    """Raises ValueError if a kernel launched earlier in this process met invalid input
+    (and clears the record). It reads host memory the kernels write, without waiting for
+    them: fp8_mega_moe calls it before each launch, synchronize() after the wait, so an
+    error surfaces at the latest at the call after the bad one (or after a graph replay)."""
+    errors = _runtime().take_input_errors()
+    if errors:
+        names = [name for bit, name in _INPUT_ERROR_NAMES.items() if errors & bit] or [f"input error {errors}"]
+        raise ValueError("megamoe: an earlier fp8_mega_moe call's " + "; ".join(names))
+
+
 def synchronize() -> None:
-    """torch.cuda.synchronize(), turning a kernel timeout into a RuntimeError that names the wait."""
+    """torch.cuda.synchronize(), turning a kernel timeout into a RuntimeError that names the
+    wait, and invalid input a kernel met into a ValueError (raise_input_errors)."""
     try:
         torch.cuda.synchronize()
     except Exception as exc:  # torch raises RuntimeError or its AcceleratorError
@@ -57,6 +75,7 @@ def synchronize() -> None:
         if reason is not None:
             raise RuntimeError(reason) from exc
         raise
+    raise_input_errors()
 
 
 def _require_sm90(device: torch.device) -> None:
@@ -218,6 +237,8 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     """The fused MoE of DESIGN.md section 2 for this rank's first y.shape[0] tokens,
     whose inputs the caller wrote into buf.x / x_sf / topk_idx / topk_weights.
     Every rank of the buffer's group calls it each step (also with 0 tokens). Writes y.
+    topk_idx values must lie in [-1, E) (-1: empty slot); the kernel drops any other value
+    and this function (next call) or synchronize() raises ValueError for it.
 
     `config_num_tokens` is the token count the kernel variant is chosen by (default
     y.shape[0]); pass a value equal on every rank (vLLM: the DP-padded batch size).
@@ -225,6 +246,7 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     numbers the phases); a stopped call leaves the send counters for the caller to zero."""
     validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats, config_num_tokens)
     _require_sm90(buf.device)
+    raise_input_errors()
     num_tokens = y.shape[0]
     variant = select_variant(buf, num_tokens if config_num_tokens is None else config_num_tokens, fast_math)
     kernel = _kernel_handle(buf.device, variant)

@@ -67,7 +67,12 @@ __device__ void dispatch_count(const KernelParams& p, uint8_t* base, int* local_
   const int num_entries = p.num_tokens * Cfg::kTopk;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < num_entries; i += gridDim.x * blockDim.x) {
     const int64_t e = topk_idx[i];
-    if (is_valid_expert(e, Cfg::kNumExperts)) atomicAdd(local_count + e, 1);
+    if (is_valid_expert(e, Cfg::kNumExperts)) {
+      atomicAdd(local_count + e, 1);
+    } else if (e != -1) {
+      // Dropped like a masked slot, and reported: every writer stores the same value.
+      *reinterpret_cast<volatile uint32_t*>(p.host_input_error) = kInputErrExpertIndex;
+    }
   }
   __syncthreads();
   for (int e = threadIdx.x; e < Cfg::kNumExperts; e += blockDim.x)

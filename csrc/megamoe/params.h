@@ -19,6 +19,12 @@ enum ErrorCode : uint32_t {
   kErrPipelineEmptyTimeout = 4,
 };
 
+// Input errors the kernel survives (it drops the offending entry and goes on), written to
+// the second host-mapped word; the op layer raises them at the next call (ops.py).
+enum InputError : uint32_t {
+  kInputErrExpertIndex = 1,  // a topk_idx value outside [-1, num_experts)
+};
+
 // Byte offsets of the symmetric-buffer regions (megamoe_plugin/buffer.py defines them).
 struct BufferOffsets {
   int64_t x, x_sf, topk_idx, topk_weights;
@@ -62,6 +68,7 @@ struct KernelParams {
   int rank;
   int pool_capacity;
   uint32_t* host_error;    // host-mapped word: first failure's code, then the kernel traps
+  uint32_t* host_input_error;  // host-mapped word: InputError seen (sticky until the host clears it)
   uint64_t timeout_ns;     // bound of every wait
 };
 

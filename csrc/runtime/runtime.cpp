@@ -74,9 +74,10 @@ void check(CUresult res, const char* what) {
   throw std::runtime_error(std::string("megamoe: ") + what + " failed: " + (msg ? msg : "unknown CUDA error"));
 }
 
-// ---------------------------------------------------------------- error word
-// One host-mapped word per process: the kernel writes the first failure's code there
+// ---------------------------------------------------------------- error words
+// Two host-mapped words per process. [0]: the kernel writes the first failure's code there
 // before trapping, so the host can name the failed wait even after the context died.
+// [1]: input errors the kernel survived (params.h InputError), cleared by the host.
 struct ErrorWord {
   uint32_t* host = nullptr;
   uint32_t* device = nullptr;
@@ -86,10 +87,11 @@ ErrorWord& error_word() {
   static ErrorWord w = [] {
     ErrorWord r;
     void* host = nullptr;
-    check(driver().MemHostAlloc(&host, sizeof(uint32_t), CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE),
-          "cuMemHostAlloc(error word)");
+    check(driver().MemHostAlloc(&host, 2 * sizeof(uint32_t), CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE),
+          "cuMemHostAlloc(error words)");
     r.host = static_cast<uint32_t*>(host);
-    *r.host = 0;
+    r.host[0] = 0;
+    r.host[1] = 0;
     CUdeviceptr dev = 0;
     check(driver().MemHostGetDevicePointer(&dev, host, 0), "cuMemHostGetDevicePointer(error word)");
     r.device = reinterpret_cast<uint32_t*>(dev);
@@ -185,6 +187,7 @@ int make_params(const std::vector<uint64_t>& peer_ptrs, int rank, const std::map
   p->rank = rank;
   p->pool_capacity = pool_capacity;
   p->host_error = error_word().device;
+  p->host_input_error = error_word().device + 1;
   p->timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
   p->activation_clamp = __builtin_inff();
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -214,7 +217,16 @@ void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_st
         "cuLaunchKernel(megamoe)");
 }
 
-uint32_t read_error_word() { return *error_word().host; }
+uint32_t read_error_word() { return error_word().host[0]; }
+
+// Returns and clears the input-error word. A plain read and store of host memory: no
+// synchronization, so an error of a kernel still running shows at a later call.
+uint32_t take_input_errors() {
+  volatile uint32_t* word = error_word().host + 1;
+  const uint32_t errors = *word;
+  if (errors != 0) *word = 0;
+  return errors;
+}
 
 }  // namespace
 
@@ -229,5 +241,6 @@ PYBIND11_MODULE(_runtime, m) {
         py::arg("recv_stats"), py::arg("activation_clamp"), py::arg("num_ctas"), py::arg("num_threads"),
         py::arg("stream"), py::arg("stop_after_phase") = 0);
   m.def("read_error_word", &read_error_word);
+  m.def("take_input_errors", &take_input_errors);
   m.attr("kParamsBytes") = sizeof(megamoe::KernelParams);
 }
