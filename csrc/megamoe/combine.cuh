@@ -1,6 +1,9 @@
 // Combine: after every rank has scattered its L2 rows, each token's valid slots are
 // summed in float32 in ascending slot order and rounded once to BF16 (DESIGN.md s.2).
-// One warp per token; each lane owns 8 consecutive columns per 256-column stripe.
+// A warp sums one token's slots over a run of 256-column stripes (each lane owns 8
+// consecutive columns per stripe). With few tokens a token's stripes are split over
+// several warps: each stripe is a dependent round trip to memory, so one warp walking
+// all H/256 stripes of a single token took ~10-20 us at decode (round 4 phase times).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -17,14 +20,25 @@ __device__ void combine_tokens(const KernelParams& p, uint8_t* base) {
   const int64_t* topk_idx = reinterpret_cast<const int64_t*>(base + p.off.topk_idx);
   const __nv_bfloat16* combine = reinterpret_cast<const __nv_bfloat16*>(base + p.off.combine);
   __nv_bfloat16* y = reinterpret_cast<__nv_bfloat16*>(p.y);
+  constexpr int kStripes = (H + 255) / 256;
   const int lane = threadIdx.x % 32;
   const int num_warps = gridDim.x * Cfg::kNumWarps;
-  for (int token = blockIdx.x * Cfg::kNumWarps + threadIdx.x / 32; token < p.num_tokens; token += num_warps) {
+  if (p.num_tokens == 0) return;
+  // Split each token into as many stripe runs as there are warps per token (at most one
+  // stripe per run); with at least as many tokens as warps, one run is the whole token.
+  const int max_runs = max(1, min(kStripes, num_warps / p.num_tokens));
+  const int stripes_per_run = (kStripes + max_runs - 1) / max_runs;
+  const int runs_per_token = (kStripes + stripes_per_run - 1) / stripes_per_run;  // none empty
+  const int num_items = p.num_tokens * runs_per_token;
+  for (int item = blockIdx.x * Cfg::kNumWarps + threadIdx.x / 32; item < num_items; item += num_warps) {
+    const int token = item / runs_per_token;
+    const int first_col = (item % runs_per_token) * stripes_per_run * 256;
+    const int end_col = min(H, first_col + stripes_per_run * 256);
     uint32_t valid_mask = 0;
 #pragma unroll
     for (int k = 0; k < K; ++k)
       if (is_valid_expert(topk_idx[(int64_t)token * K + k], Cfg::kNumExperts)) valid_mask |= 1u << k;
-    for (int col = lane * 8; col < H; col += 256) {
+    for (int col = first_col + lane * 8; col < end_col; col += 256) {
       // All slots' loads are issued before any is used, so K loads per lane are in flight.
       uint4 packed[K];
 #pragma unroll
