@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU-machine call: install the package, run the GPU tests, then the benchmark.
 # Usage (device tool, carry [".jitcache", ".whl"]): bash tools/gpu_check.sh [pytest args...]
-# Env: BENCH_ARGS (passed to benchmarks/bench_kernel.py; BENCH=0 skips it), TEST=0 skips tests.
+# Env: BENCH_ARGS (passed to benchmarks/bench_kernel.py; BENCH=0 skips it), TEST=0 skips tests,
+#      PHASES=1 adds tools/phase_times.py (PHASES_ARGS), NCU=1 adds an Nsight Compute report of
+#      one config (NCU_ARGS, default "--configs v4flash --tokens 1"), per phase.
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export MEGAMOE_CACHE_DIR="$PWD/.jitcache" MEGAMOE_TIMEOUT_S="${MEGAMOE_TIMEOUT_S:-10}"
@@ -18,6 +20,16 @@ if [ "${TEST:-1}" != 0 ]; then
 fi
 if [ "${BENCH:-1}" != 0 ]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_kernel.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
+if [ "${PHASES:-0}" != 0 ]; then
+  timeout "${PHASES_TIMEOUT:-300}" python3 tools/phase_times.py ${PHASES_ARGS:-} 2>&1 | tee "$OUT/phase_times.txt"
+fi
+if [ "${NCU:-0}" != 0 ]; then
+  timeout "${NCU_TIMEOUT:-300}" ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats -o "$OUT/profile" \
+      python3 tools/phase_times.py ${NCU_ARGS:---configs v4flash --tokens 1} --iters 1 --profile > "$OUT/ncu.log" 2>&1
+  ncu --import "$OUT/profile.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
+  tail -5 "$OUT/ncu.log"; grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)" "$OUT/ncu_details.txt"
 fi
 ls "$MEGAMOE_CACHE_DIR" | grep -v "^\." | sort > "$OUT/jitcache_after.txt"
 exit $rc

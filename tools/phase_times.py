@@ -2,6 +2,14 @@
 `_stop_after_phase` debug switch) and prints the cumulative times and their differences.
 
     python3 tools/phase_times.py [--configs v4flash,v3] [--tokens 1,128,8192] [--iters 10]
+
+With --profile, each (config, tokens) instead runs the full call and the calls stopped
+after each phase once more between cudaProfilerStart/Stop, for Nsight Compute to read
+the hardware counters of exactly those launches (leave the clocks alone):
+
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+        python3 tools/phase_times.py --configs v4flash --tokens 1 --iters 1 --profile
 """
 import argparse
 import functools
@@ -31,6 +39,7 @@ def main():
     parser.add_argument("--configs", default="v4flash,v3")
     parser.add_argument("--tokens", default="1,128,8192")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--profile", action="store_true", help="one more launch per phase inside profiler markers")
     args = parser.parse_args()
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -50,6 +59,14 @@ def main():
             parts = [cumulative[0]] + [b - a for a, b in zip(cumulative, cumulative[1:])]
             print(f"{name} n={n}: total {cumulative[-1]:.1f} us = " +
                   ", ".join(f"{label} {t:.1f}" for (_, label), t in zip(PHASES, parts)), flush=True)
+            if args.profile:  # launch order in the report: stopped after phase 2, 4, 5, 6, then the full call
+                for stop, _ in PHASES:
+                    before_call()
+                    torch.cuda.synchronize()
+                    torch.cuda.profiler.start()
+                    mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, _stop_after_phase=stop)
+                    torch.cuda.profiler.stop()
+                torch.cuda.synchronize()
         del layer, buf
         torch.cuda.empty_cache()
 
