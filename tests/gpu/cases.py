@@ -47,6 +47,10 @@ def variants():
             cfg = default_config(num_ranks, local_experts * num_ranks, topk, hidden, inter, max_tokens, 132 // num_ranks)
             out.append(KernelVariant(hidden, inter, topk, local_experts * num_ranks, num_ranks, cfg.block_m,
                                      cfg.num_stages, True))
+    # benchmarks/bench_kernel.py under torchrun on two GPUs (32 local experts per rank).
+    for hidden, inter, topk in ((7168, 2048, 8), (4096, 2048, 6)):
+        cfg = default_config(2, 64, topk, hidden, inter, 8192, 132)
+        out.append(KernelVariant(hidden, inter, topk, 64, 2, cfg.block_m, cfg.num_stages, True))
     for s in SHAPES:
         cfg = default_config(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132)
         for fast_math in (True, False):
