@@ -7,8 +7,10 @@ launch on the current stream: no host sync, no allocation, capturable in a CUDA 
 """
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import os
+from pathlib import Path
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
@@ -37,12 +39,29 @@ def _timeout_s() -> float:
     return float(os.environ.get("MEGAMOE_TIMEOUT_S", "30"))
 
 
+def _runtime_missing_message() -> str:
+    here = Path(__file__).resolve().parent
+    message = f"megamoe: the host runtime extension is not built in {here}"
+    # The usual cause: a source checkout (e.g. the working directory) earlier on sys.path
+    # than the installed package, which has the extension.
+    try:
+        dist = importlib.metadata.distribution("megamoe_plugin")
+        for file in dist.files or []:
+            if file.name.startswith("_runtime.") and file.name.endswith((".so", ".pyd")):
+                installed = Path(str(dist.locate_file(file))).resolve().parent
+                if installed != here:
+                    return (f"{message}; the installed megamoe_plugin in {installed} has it but this source tree "
+                            "shadows it: run from another directory, or build here (pip install -e .)")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return f"{message} (reinstall the package on a machine with the CUDA toolkit headers: pip install -e .)"
+
+
 def _runtime():
     try:
         from . import _runtime
     except ImportError as exc:
-        raise RuntimeError("megamoe: the host runtime extension is not built (reinstall the package on a machine "
-                           "with the CUDA toolkit headers: pip install -e .)") from exc
+        raise RuntimeError(_runtime_missing_message()) from exc
     return _runtime
 
 

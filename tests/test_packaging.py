@@ -3,6 +3,7 @@ harness install plugins) must carry the JIT kernel sources and the config tables
 must hash the sources exactly as the source tree does, so a carried JIT cache still hits."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -47,3 +48,23 @@ def test_installed_copy_finds_its_own_files_with_the_same_cache_key(wheel, tmp_p
     assert Path(csrc) == target / "megamoe_plugin" / "_csrc"
     assert Path(configs) == target / "megamoe_plugin" / "_configs"
     assert digest == jit._sources_digest()
+
+
+def test_source_tree_shadowing_the_installed_copy_is_named(wheel, tmp_path):
+    """A checkout without the built extension imported ahead of the real install (what
+    `vllm serve` started in the repo root does) gets an error that names both places.
+    (The message is what is checked: in this test environment the editable install's
+    import hook would still find the repository's own extension.)"""
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True)
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO / "megamoe_plugin", checkout / "megamoe_plugin",
+                    ignore=shutil.ignore_patterns("_runtime.*", "__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(target))
+    probe = "import megamoe_plugin.ops as o; print(o.__file__); print(o._runtime_missing_message())"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=checkout, env=env, capture_output=True, text=True,
+                         check=True).stdout
+    imported_from, message = out.splitlines()
+    assert Path(imported_from).parent == checkout / "megamoe_plugin"
+    assert "shadows it" in message and str(target / "megamoe_plugin") in message
