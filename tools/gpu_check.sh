@@ -6,10 +6,13 @@
 #      one config (NCU_ARGS, default "--configs v4flash --tokens 1"), per phase.
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export MEGAMOE_CACHE_DIR="$PWD/.jitcache" MEGAMOE_TIMEOUT_S="${MEGAMOE_TIMEOUT_S:-10}"
+# MEGAMOE_CACHE_DIR and WHEELS default to this tree's .jitcache and .whl; set them to run
+# another checkout (e.g. a git worktree of a branch: cd there, bash <main>/tools/gpu_check.sh).
+export MEGAMOE_CACHE_DIR="${MEGAMOE_CACHE_DIR:-$PWD/.jitcache}" MEGAMOE_TIMEOUT_S="${MEGAMOE_TIMEOUT_S:-10}"
+WHEELS="${WHEELS:-.whl}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site
   export MEGAMOE_CUTLASS_INCLUDE=/tmp/site/cutlass_library/source/include
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
