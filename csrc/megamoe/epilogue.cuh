@@ -93,25 +93,56 @@ __device__ __forceinline__ void l1_epilogue(const KernelParams& p, uint8_t* base
   }
 }
 
+// Transposes a 4x4 block of 32-bit values across the 4 lanes of a quad: lane q holds
+// w[j] = M[q][j] and ends with w[p] = M[p][q]. Rotation k sends M[q][(q + k) % 4] to lane
+// q + k; indices are resolved with selects (no dynamically indexed registers).
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
+  const auto pick = [&](int i) { return i == 0 ? w[0] : i == 1 ? w[1] : i == 2 ? w[2] : w[3]; };
+  uint32_t out[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[j] = w[j];  // out[q] = w[q] stays; the others are replaced
+#pragma unroll
+  for (int k = 1; k < 4; ++k) {
+    const uint32_t recv = __shfl_sync(0xffffffffu, pick((q + k) & 3), (threadIdx.x & ~3) | ((q - k) & 3));
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (j == ((q - k) & 3)) out[j] = recv;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) w[j] = out[j];
+}
+
+// L2: per row, the quad's lanes hold 2 columns of each 8-column chunk; a quad transpose
+// gives each lane whole chunks, stored as 16-byte vectors (DESIGN.md s.4: 128-bit
+// NVLink scatter beat 32-bit stores by 8-14% at large M). Lane q stores chunks 4g + q.
 template <class Cfg>
 __device__ __forceinline__ void l2_epilogue(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
                                             const Tile& t, int wg, const FragCoord& fc, const float* acc) {
   const int col0 = t.n_block * Cfg::kBlockN + wg * Cfg::kWgN;
-  if (col0 >= Cfg::kHidden) return;  // the last n-block of an H that is an odd multiple of 128
+  if (col0 >= Cfg::kHidden) return;  // the last n-block of an H that is an odd multiple of 128 (warpgroup-uniform)
   const int row_base = tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
   const int valid_rows = tables.exp_count[t.expert] - t.m_block * Cfg::kBlockM;
   const int2* pool_src = reinterpret_cast<const int2*>(base + p.off.pool_src);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = fc.r0 + 8 * half;
-    if (r >= valid_rows) continue;
-    const int2 src = __ldcg(pool_src + row_base + r);  // (source rank, token * K + slot)
-    __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(p.peer_base[src.x] + p.off.combine) +
-                         (int64_t)src.y * Cfg::kHidden + col0 + 2 * fc.q;
+    const bool valid = r < valid_rows;  // uniform over the quad (one row)
+    int2 src = make_int2(0, 0);
+    if (valid) src = __ldcg(pool_src + row_base + r);  // (source rank, token * K + slot)
+    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.peer_base[src.x] + p.off.combine) +
+                                          (int64_t)src.y * Cfg::kHidden + col0);
 #pragma unroll
-    for (int c = 0; c < 16; ++c)
-      *reinterpret_cast<__nv_bfloat162*>(dst + 8 * c) =
-          __floats2bfloat162_rn(acc[4 * c + 2 * half], acc[4 * c + 2 * half + 1]);
+    for (int g = 0; g < 4; ++g) {
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int c = 4 * g + j;
+        const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * c + 2 * half], acc[4 * c + 2 * half + 1]);
+        w[j] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+      quad_transpose(w, fc.q);  // every lane takes part, valid row or not
+      if (valid) dst[4 * g + fc.q] = make_uint4(w[0], w[1], w[2], w[3]);  // chunk 4g + q: columns 8(4g + q) ..
+    }
   }
 }
 
