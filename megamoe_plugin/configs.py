@@ -41,7 +41,7 @@ from .heuristics import (
     BLOCK_K,
     MIN_STAGES,
     SMEM_LIMIT,
-    SUPPORTED_BLOCK_M,
+    IMPLEMENTED_BLOCK_M,
     KernelConfig,
     default_config,
     default_num_stages,
@@ -205,8 +205,8 @@ class _Validator:
             self.fail(path, "empty entry: give block_m and/or num_stages")
         if "block_m" in value:
             block_m = self.check_int(value["block_m"], f"{path}.block_m")
-            if block_m not in SUPPORTED_BLOCK_M:
-                self.fail(f"{path}.block_m", f"{block_m} is not an implemented tier {SUPPORTED_BLOCK_M}")
+            if block_m not in IMPLEMENTED_BLOCK_M:
+                self.fail(f"{path}.block_m", f"{block_m} is not an implemented tier {IMPLEMENTED_BLOCK_M}")
         else:
             block_m = select_block_m(expected)
         if "num_stages" not in value:

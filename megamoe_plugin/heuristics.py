@@ -23,12 +23,16 @@ from typing import Optional, Sequence
 # columns; BLOCK_K is the 128-wide FP8 scale block of both activations and weights.
 BLOCK_N = 256
 BLOCK_K = 128
-# Every BLOCK_M tier the kernel design has, and the ones the kernel implements today.
-# The kernel issue that adds a tier extends SUPPORTED_BLOCK_M; nothing else changes.
-BLOCK_M_TIERS = (32, 64, 128)
+# Every BLOCK_M tier the kernel design has; the ones the kernel implements (tiers below 64
+# are swap-AB: tokens on the WGMMA N side, csrc/megamoe/config.cuh); and the ones the
+# heuristics pick by themselves. A tier joins SUPPORTED_BLOCK_M once measurements show
+# where it wins (docs/results); until then the others run only when forced
+# (MEGAMOE_BLOCK_M, ops.select_variant) or named by a tuned config table.
+BLOCK_M_TIERS = (8, 16, 32, 64, 128)
+IMPLEMENTED_BLOCK_M = (8, 16, 32, 64)
 SUPPORTED_BLOCK_M = (64,)
 # (largest expected tokens per expert, preferred tier); above the last bound the largest tier.
-_TIER_UPPER_BOUNDS = ((16.0, 32), (64.0, 64))
+_TIER_UPPER_BOUNDS = ((4.0, 8), (8.0, 16), (16.0, 32), (64.0, 64))
 
 # Opt-in dynamic shared memory per block on SM90 (227 KiB).
 SMEM_LIMIT = 232448
@@ -106,7 +110,8 @@ def _stage_bytes(block_m: int) -> int:
 
 
 def _fixed_bytes(block_m: int, num_local_experts: int) -> int:
-    amax_exchange = 2 * 2 * block_m * _F32_BYTES  # [2 parities][2 warpgroups][block_m]
+    # [2 parities][2 warpgroups][block_m]; swap-AB tiers: [2 parities][8 math warps][block_m]
+    amax_exchange = 2 * (8 if block_m < 64 else 2) * block_m * _F32_BYTES
     expert_tables = (_EXPERT_TABLE_WORDS * num_local_experts + 1) * _I32_BYTES
     return _align(_BARRIER_SCRATCH_BYTES + amax_exchange + expert_tables, STAGE_ALIGN) + _BASE_ALIGN_BYTES
 
@@ -116,7 +121,7 @@ def smem_bytes(block_m: int, num_stages: int, num_local_experts: int) -> int:
 
     num_stages pipeline stages (A tile, B tile, padded to 1024 bytes so every
     stage's tiles stay aligned for the TMA swizzle) plus the fixed part: 1024 bytes of
-    mbarriers, the cross-warpgroup amax exchange (double-buffered, 2 * 2 * block_m
+    mbarriers, the cross-warpgroup amax exchange (double-buffered, 2 * 2 * block_m (swap-AB: 2 * 8 * block_m)
     float32), 3 int32 tables per local expert, and 1024 bytes of slack to align the
     dynamic shared memory base.
     """
@@ -172,8 +177,8 @@ class KernelConfig:
     block_k: int = BLOCK_K
 
     def __post_init__(self) -> None:
-        if self.block_m not in SUPPORTED_BLOCK_M:
-            raise ValueError(f"block_m must be one of the implemented tiers {SUPPORTED_BLOCK_M}, got {self.block_m}")
+        if self.block_m not in IMPLEMENTED_BLOCK_M:
+            raise ValueError(f"block_m must be one of the implemented tiers {IMPLEMENTED_BLOCK_M}, got {self.block_m}")
         if (self.block_n, self.block_k) != (BLOCK_N, BLOCK_K):
             raise ValueError(f"the kernel's tile is block_n={BLOCK_N}, block_k={BLOCK_K}; "
                              f"got block_n={self.block_n}, block_k={self.block_k}")

@@ -213,8 +213,10 @@ def check_variants(variants: List[KernelVariant]) -> int:
 
 
 def reference_variants() -> List[KernelVariant]:
-    """Every variant the heuristics pick for DESIGN.md section 8's reference configs."""
-    from .heuristics import default_config
+    """Every variant the heuristics pick for DESIGN.md section 8's reference configs, and
+    each implemented tier the heuristics do not pick yet (MEGAMOE_BLOCK_M, tuned tables)
+    once per reference shape on one rank."""
+    from .heuristics import IMPLEMENTED_BLOCK_M, SUPPORTED_BLOCK_M, default_config, default_num_stages
 
     shapes = {"v3": (7168, 2048, 8), "v4flash": (4096, 2048, 6), "qwen235": (4096, 1536, 8), "qwen30": (2048, 768, 8)}
     num_local_experts = 32
@@ -229,6 +231,9 @@ def reference_variants() -> List[KernelVariant]:
                                       fast_math)
                     if v not in variants:
                         variants.append(v)
+        for block_m in sorted(set(IMPLEMENTED_BLOCK_M) - set(SUPPORTED_BLOCK_M)):
+            stages = default_num_stages(block_m, num_local_experts, hidden, inter)
+            variants.append(KernelVariant(hidden, inter, topk, num_local_experts, 1, block_m, stages, True))
     return variants
 
 

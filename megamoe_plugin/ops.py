@@ -161,12 +161,29 @@ def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_
         raise ValueError(f"config_num_tokens must be a non-negative int or None, got {config_num_tokens!r}")
 
 
+def _forced_block_m() -> Optional[int]:
+    """MEGAMOE_BLOCK_M: run every call with this tier (measuring tiers, testing them)."""
+    from .heuristics import IMPLEMENTED_BLOCK_M
+
+    value = os.environ.get("MEGAMOE_BLOCK_M")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) not in IMPLEMENTED_BLOCK_M:
+        raise ValueError(f"MEGAMOE_BLOCK_M must be one of the implemented tiers {IMPLEMENTED_BLOCK_M}, got {value!r}")
+    return int(value)
+
+
 def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool) -> KernelVariant:
     from .configs import lookup_config
+    from .heuristics import KernelConfig, default_num_stages
 
     s = buf.shape
     cfg = lookup_config(_device_name(buf.device), s.num_ranks, s.num_experts, s.num_topk, s.hidden,
                         s.intermediate_size, num_tokens, _grid_size(buf))
+    forced = _forced_block_m()
+    if forced is not None and forced != cfg.block_m:
+        stages = default_num_stages(forced, s.num_local_experts, s.hidden, s.intermediate_size)
+        cfg = KernelConfig(block_m=forced, num_stages=stages, num_sms=cfg.num_sms)
     return KernelVariant(s.hidden, s.intermediate_size, s.num_topk, s.num_experts, s.num_ranks, cfg.block_m,
                          cfg.num_stages, fast_math)
 

@@ -121,7 +121,7 @@ SCHEMA_ERRORS = {
     "entry unknown key": (edit(lambda t: t["tables"][0]["entries"]["4"].update(block_n=128)),
                           '$.tables[0].entries["4"]', "unknown key 'block_n'"),
     "block_m unsupported": (edit(lambda t: t["tables"][0]["entries"]["4"].update(block_m=128)),
-                            '$.tables[0].entries["4"].block_m', "128 is not an implemented tier (64,)"),
+                            '$.tables[0].entries["4"].block_m', "128 is not an implemented tier (8, 16, 32, 64)"),
     "block_m type": (edit(lambda t: t["tables"][0]["entries"]["4"].update(block_m="64")),
                      '$.tables[0].entries["4"].block_m', 'expected an integer, got "64"'),
     "num_stages below 2": (edit(lambda t: t["tables"][0]["entries"]["4"].update(num_stages=1)),

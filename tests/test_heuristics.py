@@ -57,7 +57,8 @@ def test_expected_tokens_per_expert_rejects(args, name):
 
 def test_select_block_m_preferred_tiers():
     all_tiers = BLOCK_M_TIERS
-    assert [select_block_m(x, all_tiers) for x in (0, 1, 16, 16.5, 64, 64.5, 8192)] == [32, 32, 32, 64, 64, 128, 128]
+    assert [select_block_m(x, all_tiers) for x in (0, 4, 4.5, 8, 8.5, 16, 16.5, 64, 64.5, 8192)] == \
+        [8, 8, 16, 16, 32, 32, 64, 64, 128, 128]
 
 
 def test_select_block_m_nearest_supported():

@@ -95,3 +95,23 @@ def test_valid_call_without_sm90_gpu_raises_runtime_error(setup):
     layer, buf = setup
     with pytest.raises(RuntimeError, match="SM90"):
         mm.fp8_mega_moe(y_of(), layer.l1, layer.l2, buf)
+
+
+@pytest.mark.parametrize("value, expected", [(None, None), ("", None), ("8", 8), ("32", 32), ("64", 64)])
+def test_forced_block_m(monkeypatch, value, expected):
+    from megamoe_plugin import ops
+
+    if value is None:
+        monkeypatch.delenv("MEGAMOE_BLOCK_M", raising=False)
+    else:
+        monkeypatch.setenv("MEGAMOE_BLOCK_M", value)
+    assert ops._forced_block_m() == expected
+
+
+@pytest.mark.parametrize("value", ["48", "128", "x", "-8"])
+def test_forced_block_m_names_the_variable(monkeypatch, value):
+    from megamoe_plugin import ops
+
+    monkeypatch.setenv("MEGAMOE_BLOCK_M", value)
+    with pytest.raises(ValueError, match="MEGAMOE_BLOCK_M must be one of the implemented tiers"):
+        ops._forced_block_m()

@@ -18,7 +18,15 @@ struct KernelConfig {
   static constexpr int kNumStages = kNumStages_;
   static constexpr bool kFastMath = kFastMath_;
 
-  // A GEMM tile is BLOCK_M x 256 x 128; math warpgroup w computes columns [128w, 128w+128).
+  // A GEMM tile is BLOCK_M pool rows x 256 weight rows x 128 (K); math warpgroup w
+  // computes weight rows [128w, 128w+128). BLOCK_M 64: pool rows are the WGMMA M side
+  // (m64n128k32). BLOCK_M 8/16/32 (decode tiers): swap-AB, the weight rows are the M side
+  // (two m64 sub-tiles per warpgroup) and the pool rows the N side (m64nBLOCK_Mk32), so a
+  // tile with a few tokens does not pay for 64 rows of MMA.
+  static constexpr bool kSwapAB = kBlockM < 64;
+  static constexpr int kSwapSubTiles = 2;  // m64 sub-tiles per warpgroup in swap-AB
+  // Accumulator floats per math thread: m64n128 (64), or 2 sub-tiles of m64nBLOCK_M.
+  static constexpr int kAccFloats = kSwapAB ? kSwapSubTiles * kBlockM / 2 : 64;
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 128;
   static constexpr int kWgN = 128;
@@ -40,8 +48,10 @@ struct KernelConfig {
   // Shared memory (bytes from a 1024-aligned base).
   static constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
   static constexpr int kSmemBarriers = 0;  // full[kNumStages], empty[kNumStages]
-  static constexpr int kSmemAmax = 1024;   // float [2 parities][2 warpgroups][BLOCK_M]
-  static constexpr int kSmemTables = kSmemAmax + 2 * 2 * kBlockM * 4;
+  // float [2 parities][2 warpgroups][BLOCK_M]; swap-AB: [2 parities][8 math warps][BLOCK_M]
+  static constexpr int kSmemAmax = 1024;
+  static constexpr int kAmaxSlots = kSwapAB ? 8 : 2;  // 8 = kNumMathThreads / 32
+  static constexpr int kSmemTables = kSmemAmax + 2 * kAmaxSlots * kBlockM * 4;
   // int32 exp_start[E_l], exp_count[E_l], mblk_prefix[E_l + 1]
   static constexpr int kSmemStages = align_up(kSmemTables + (3 * kNumLocalExperts + 1) * 4, 1024);
   static constexpr int kStageA = kBlockM * kBlockK;
@@ -56,7 +66,8 @@ struct KernelConfig {
   static constexpr int kScratchInts = kSendScratchInts > kRecvScratchInts ? kSendScratchInts : kRecvScratchInts;
 
   static_assert(kHidden % 128 == 0 && kInter % 128 == 0, "H and I must be multiples of 128");
-  static_assert(kBlockM == 64, "this kernel implements BLOCK_M = 64");
+  static_assert(kBlockM == 64 || kBlockM == 8 || kBlockM == 16 || kBlockM == 32,
+                "this kernel implements BLOCK_M 64 and the swap-AB tiers 8, 16, 32");
   static_assert(kNumExperts % kNumRanks == 0, "E must be a multiple of R");
   static_assert(kNumStages >= 2, "need at least two pipeline stages");
   static_assert(kScratchInts * 4 <= kNumStages * kStageBytes, "dispatch scratch does not fit");

@@ -103,15 +103,22 @@ __device__ __forceinline__ uint64_t make_smem_desc(const void* smem) {
 
 using WgmmaOp = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
 
-template <int... I>
+// m64nNk32 FP8 WGMMA for the swap-AB tiers (N = BLOCK_M tokens).
+template <int N> struct SwapWgmma;
+template <> struct SwapWgmma<8> { using Op = cute::SM90::GMMA::MMA_64x8x32_F32E4M3E4M3_SS_TN<>; };
+template <> struct SwapWgmma<16> { using Op = cute::SM90::GMMA::MMA_64x16x32_F32E4M3E4M3_SS_TN<>; };
+template <> struct SwapWgmma<32> { using Op = cute::SM90::GMMA::MMA_64x32x32_F32E4M3E4M3_SS_TN<>; };
+
+template <class Op, int... I>
 __device__ __forceinline__ void wgmma_call(uint64_t da, uint64_t db, float* d, bool accumulate,
                                            std::integer_sequence<int, I...>) {
-  WgmmaOp::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+  Op::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
+template <int kNum>
 __device__ __forceinline__ void fence_operands(float* d) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < kNum; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // Accumulator fragment of m64n128 (per thread): d[4c + {0,1}] = row r0, columns 8c + 2q + {0,1};
@@ -147,17 +154,17 @@ __device__ __forceinline__ void mma_tile(const KernelParams& p, const StageView<
     // kPromoteK slice gets a fresh accumulator that is promoted into float32 here.
 #pragma unroll
     for (int slice = 0; slice < Cfg::kBlockK / Cfg::kPromoteK; ++slice) {
-      fence_operands(part);
+      fence_operands<64>(part);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int k = 0; k < Cfg::kPromoteK / 32; ++k) {
         // +32 bytes along K inside the 128B swizzle atom is +2 in the 16-byte address field.
         const int k32 = slice * (Cfg::kPromoteK / 32) + k;
-        wgmma_call(desc_a + 2 * k32, desc_b + 2 * k32, part, k > 0, std::make_integer_sequence<int, 64>{});
+        wgmma_call<WgmmaOp>(desc_a + 2 * k32, desc_b + 2 * k32, part, k > 0, std::make_integer_sequence<int, 64>{});
       }
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<0>();
-      fence_operands(part);
+      fence_operands<64>(part);
       if (slice == Cfg::kBlockK / Cfg::kPromoteK - 1) {
         __syncwarp();
         if (threadIdx.x % 32 == 0) cuda::ptx::mbarrier_arrive(&empty[ps.stage]);
@@ -171,6 +178,60 @@ __device__ __forceinline__ void mma_tile(const KernelParams& p, const StageView<
         acc[4 * c + 3] += part[4 * c + 3] * (sa1 * s);
       }
     }
+    ps.advance<Cfg::kNumStages>();
+  }
+}
+
+// Swap-AB main loop of one math warpgroup (BLOCK_M < 64): the warpgroup's 128 weight rows
+// are two m64 sub-tiles on the WGMMA M side, the tile's BLOCK_M pool rows (tokens) the N
+// side. acc[kSwapSubTiles][BLOCK_M / 2], fragment of sub-tile i: acc[i][4c + {0,1}] =
+// weight row 64i + r0, tokens 8c + 2q + {0,1}; acc[i][4c + {2,3}] = weight row 64i + r0 + 8.
+// Promotion scales: per token (sfa, MN-major like mma_tile) and per weight block
+// (`weight_scales(kb)`: .x for rows r0, .y for rows r0 + 8; L1: gate and up rows).
+template <class Cfg, int kNumKBlocks, class WeightScales>
+__device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
+                                              uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
+                                              const float* sfa, float* acc, WeightScales weight_scales) {
+  constexpr int kN = Cfg::kBlockM, kFrag = kN / 2, kChunks = kN / 8;
+  using Op = typename SwapWgmma<kN>::Op;
+  float part[Cfg::kSwapSubTiles * kFrag];
+#pragma unroll
+  for (int i = 0; i < Cfg::kAccFloats; ++i) acc[i] = 0.f;
+  for (int kb = 0; kb < kNumKBlocks; ++kb) {
+    const float2 sb = weight_scales(kb);
+    float sa[kChunks][2];
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) sa[c][j] = __ldcg(sfa + (int64_t)kb * p.pool_capacity + 8 * c + 2 * fc.q + j);
+    mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
+    const uint64_t desc_tokens = make_smem_desc(sv.a(ps.stage));
+    uint64_t desc_w[Cfg::kSwapSubTiles];
+#pragma unroll
+    for (int i = 0; i < Cfg::kSwapSubTiles; ++i)
+      desc_w[i] = make_smem_desc(sv.b(ps.stage) + (wg * Cfg::kWgN + 64 * i) * Cfg::kBlockK);
+    fence_operands<Cfg::kSwapSubTiles * kFrag>(part);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int i = 0; i < Cfg::kSwapSubTiles; ++i)
+#pragma unroll
+      for (int k = 0; k < Cfg::kBlockK / 32; ++k)
+        wgmma_call<Op>(desc_w[i] + 2 * k, desc_tokens + 2 * k, part + i * kFrag, k > 0,
+                       std::make_integer_sequence<int, kFrag>{});
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_operands<Cfg::kSwapSubTiles * kFrag>(part);
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) cuda::ptx::mbarrier_arrive(&empty[ps.stage]);
+#pragma unroll
+    for (int i = 0; i < Cfg::kSwapSubTiles; ++i)
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          acc[i * kFrag + 4 * c + j] += part[i * kFrag + 4 * c + j] * (sa[c][j] * sb.x);
+          acc[i * kFrag + 4 * c + 2 + j] += part[i * kFrag + 4 * c + 2 + j] * (sa[c][j] * sb.y);
+        }
     ps.advance<Cfg::kNumStages>();
   }
 }

@@ -45,7 +45,7 @@ __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base,
   const TileScheduler<Cfg> sched{tables, kIsL2 ? Cfg::kL2NumNBlocks : Cfg::kL1NumNBlocks};
   const int wg = (threadIdx.x - 128) / 128;
   const FragCoord fc = FragCoord::of(threadIdx.x % 128);
-  float acc[64];
+  float acc[Cfg::kAccFloats];
   const int num_tiles = sched.num_tiles();
   const float* sf_pool = reinterpret_cast<const float*>(base + (kIsL2 ? p.off.act_sf : p.off.pool_sf));
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -56,18 +56,28 @@ __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base,
       const int nb128 = t.n_block * 2 + wg;
       const float* sb = p.w2_scale + ((int64_t)t.expert * (Cfg::kHidden / 128) + nb128) * Cfg::kL2NumKBlocks;
       const bool in_range = nb128 < Cfg::kHidden / 128;
-      mma_tile<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, [&](int kb) {
+      const auto weight_scales = [&](int kb) {
         const float s = in_range ? __ldg(sb + kb) : 0.f;
         return make_float2(s, s);
-      });
-      l2_epilogue<Cfg>(p, base, tables, t, wg, fc, acc);
+      };
+      if constexpr (Cfg::kSwapAB) {
+        mma_tile_swap<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
+        l2_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc);
+      } else {
+        mma_tile<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
+        l2_epilogue<Cfg>(p, base, tables, t, wg, fc, acc);
+      }
     } else {
       // w13_scale [E_l, I/128, 2 (gate, up), H/128]: the tile's n-block is the requant group.
       const float* sb = p.w13_scale + ((int64_t)t.expert * (Cfg::kInter / 128) + t.n_block) * 2 * Cfg::kL1NumKBlocks;
-      mma_tile<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, [&](int kb) {
-        return make_float2(__ldg(sb + kb), __ldg(sb + Cfg::kL1NumKBlocks + kb));
-      });
-      l1_epilogue<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
+      const auto weight_scales = [&](int kb) { return make_float2(__ldg(sb + kb), __ldg(sb + Cfg::kL1NumKBlocks + kb)); };
+      if constexpr (Cfg::kSwapAB) {
+        mma_tile_swap<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
+        l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
+      } else {
+        mma_tile<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
+        l1_epilogue<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
+      }
       parity ^= 1;
     }
   }

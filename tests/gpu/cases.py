@@ -35,8 +35,18 @@ SHAPES = [
 ]
 
 
+# Shapes for the forced swap-AB tiers (tests/gpu/test_swap_tiers.py): H an odd multiple
+# of 128, the e2e model's shape, and a large H with few tokens.
+SWAP_TIERS = (8, 16, 32)
+SWAP_SHAPES = [
+    Shape(384, 256, 4, 4, 50),
+    Shape(2048, 768, 8, 128, 64),
+    Shape(7168, 2048, 8, 32, 24),
+]
+
+
 def variants():
-    from megamoe_plugin.heuristics import default_config
+    from megamoe_plugin.heuristics import default_config, default_num_stages
     from megamoe_plugin.jit import KernelVariant
 
     from .multi_rank import MULTI_RANK_SHAPES
@@ -51,6 +61,12 @@ def variants():
     for hidden, inter, topk in ((7168, 2048, 8), (4096, 2048, 6)):
         cfg = default_config(2, 64, topk, hidden, inter, 8192, 132)
         out.append(KernelVariant(hidden, inter, topk, 64, 2, cfg.block_m, cfg.num_stages, True))
+    for s in SWAP_SHAPES:
+        for block_m in SWAP_TIERS:
+            for fast_math in (True, False):
+                stages = default_num_stages(block_m, s.local_experts, s.hidden, s.intermediate)
+                out.append(KernelVariant(s.hidden, s.intermediate, s.topk, s.local_experts, 1, block_m, stages,
+                                         fast_math))
     for s in SHAPES:
         cfg = default_config(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132)
         for fast_math in (True, False):
