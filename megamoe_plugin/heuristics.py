@@ -27,7 +27,9 @@ BLOCK_K = 128
 # are swap-AB: tokens on the WGMMA N side, csrc/megamoe/config.cuh); and the ones the
 # heuristics pick by themselves. A tier joins SUPPORTED_BLOCK_M once measurements show
 # where it wins (docs/results); until then the others run only when forced
-# (MEGAMOE_BLOCK_M, ops.select_variant) or named by a tuned config table.
+# (MEGAMOE_BLOCK_M, ops.select_variant) or named by a tuned config table. As of
+# 2026-11-30 the swap-AB tiers compile (jit --check) and have GPU tests
+# (tests/gpu/test_swap_tiers.py) that have not run yet.
 BLOCK_M_TIERS = (8, 16, 32, 64, 128)
 IMPLEMENTED_BLOCK_M = (8, 16, 32, 64)
 SUPPORTED_BLOCK_M = (64,)
