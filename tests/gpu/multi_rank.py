@@ -5,7 +5,6 @@ Every rank builds the same R layers and R input sets from one seed, so each can 
 the whole reference itself and check its own output.
 """
 import math
-import os
 import sys
 
 import torch

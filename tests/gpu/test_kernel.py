@@ -7,7 +7,6 @@ written; "fp8_tensor_core" computes the L1 GEMM with cuBLAS FP8 tensor-core nume
 so a kernel bug fails it even where the hardware's own rounding fails "exact"
 (docs/results has the measurements).
 """
-import itertools
 import math
 
 import pytest
@@ -18,16 +17,9 @@ from megamoe_plugin.reference import check_close
 from megamoe_plugin.testing import L1_NUMERICS, fill_buffer, random_inputs, random_layer, reference_outputs
 
 from .cases import SHAPES
+from .seeds import SeedStream
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-    reason="needs an SM90 (Hopper) GPU; run on the H200 machines")
-
-_seed = itertools.count(1234)
-
-
-def _generator():
-    return torch.Generator(device="cuda").manual_seed(next(_seed))
+_generator = SeedStream(1234).next_generator
 
 
 def _run(buf, layer, inputs, clamp=None, fast_math=True, stats=None):

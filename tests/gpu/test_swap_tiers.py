@@ -2,7 +2,6 @@
 MEGAMOE_BLOCK_M, against the float32 reference like tests/gpu/test_kernel.py: changing
 token counts on one buffer, every routing (one_expert gives many token blocks per expert),
 an H that is an odd multiple of 128, clamp and fast_math, bit-identical repeats."""
-import itertools
 import math
 
 import pytest
@@ -13,16 +12,9 @@ from megamoe_plugin.reference import check_close
 from megamoe_plugin.testing import L1_NUMERICS, fill_buffer, random_inputs, random_layer, reference_outputs
 
 from .cases import SWAP_SHAPES, SWAP_TIERS
+from .seeds import SeedStream
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-    reason="needs an SM90 (Hopper) GPU; run on the H200 machines")
-
-_seed = itertools.count(4321)
-
-
-def _generator():
-    return torch.Generator(device="cuda").manual_seed(next(_seed))
+_generator = SeedStream(4321).next_generator
 
 
 @pytest.fixture(scope="module", params=SWAP_SHAPES, ids=str)
