@@ -14,68 +14,31 @@ import torch
 
 import megamoe_plugin as mm
 from megamoe_plugin.reference import check_close
-from megamoe_plugin.testing import L1_NUMERICS, fill_buffer, random_inputs, random_layer, reference_outputs
+from megamoe_plugin.testing import L1_NUMERICS, fill_buffer, random_inputs, reference_outputs
 
 from .cases import SHAPES
-from .seeds import SeedStream
+from .single_gpu import SeedStream, check_call_sequence, check_repeatable, layer_and_buffer
 
-_generator = SeedStream(1234).next_generator
-
-
-def _run(buf, layer, inputs, clamp=None, fast_math=True, stats=None):
-    n = fill_buffer(buf, inputs)
-    y = torch.full((n, buf.hidden), math.nan, dtype=torch.bfloat16, device="cuda")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, activation_clamp=clamp, fast_math=fast_math,
-                    cumulative_local_expert_recv_stats=stats)
-    end.record()
-    mm.ops.synchronize()
-    return y, start.elapsed_time(end) * 1e3
+_seeds = SeedStream(1234)
+_generator = _seeds.next_generator
 
 
 @pytest.fixture(scope="module", params=SHAPES, ids=str)
 def setup(request):
     s = request.param
-    torch.cuda.empty_cache()
-    layer = random_layer(s.local_experts, s.hidden, s.intermediate, "cuda", _generator())
-    buf = mm.get_symm_buffer(None, s.local_experts, s.max_tokens, s.topk, s.hidden, s.intermediate)
-    return s, layer, buf
+    return (s, *layer_and_buffer(s, _generator()))
 
 
 @pytest.mark.parametrize("numerics", L1_NUMERICS)
 def test_token_counts_and_routings(setup, numerics):
     """Consecutive calls on one buffer: changing n (max, 1, 0, odd), every routing,
     clamp on/off, fast_math on/off; recv stats exact."""
-    s, layer, buf = setup
-    stats = torch.zeros(s.local_experts, dtype=torch.int32, device="cuda")
-    expected_stats = torch.zeros_like(stats, dtype=torch.int64)
-    plan = [
-        (s.max_tokens, "uniform", None, True),
-        (1, "uniform", None, True),
-        (0, "uniform", None, True),
-        (s.max_tokens // 2 | 1, "masked", 3.0, True),
-        (s.max_tokens, "one_expert", None, False),
-        (max(1, s.max_tokens - 3), "half_empty", 2.0, False),
-        (s.max_tokens, "masked", None, True),
-    ]
-    for n, routing, clamp, fast_math in plan:
-        inputs = random_inputs(n, s.hidden, s.local_experts, s.topk, routing, "cuda", _generator())
-        y, us = _run(buf, layer, inputs, clamp, fast_math, stats)
-        ref = reference_outputs([inputs], [layer], s.local_experts, activation_clamp=clamp, l1_numerics=numerics)[0]
-        print(f"\n  {s} n={n} {routing} clamp={clamp} fast_math={fast_math}: {us:.1f} us", end="")
-        check_close(y, ref)
-        valid = inputs["topk_idx"][inputs["topk_idx"] >= 0]
-        expected_stats += torch.bincount(valid, minlength=s.local_experts)
-        assert torch.equal(stats.long(), expected_stats), "cumulative_local_expert_recv_stats is wrong"
+    check_call_sequence(*setup, numerics, _seeds)
 
 
 def test_repeatable(setup):
     """The same inputs three times give bit-identical outputs (a moving result is a race)."""
-    s, layer, buf = setup
-    inputs = random_inputs(s.max_tokens, s.hidden, s.local_experts, s.topk, "uniform", "cuda", _generator())
-    outs = [_run(buf, layer, inputs)[0] for _ in range(3)]
-    assert all(torch.equal(outs[0], o) for o in outs[1:]), "outputs differ between identical calls"
+    check_repeatable(*setup, _seeds)
 
 
 @pytest.mark.parametrize("numerics", L1_NUMERICS)
