@@ -166,55 +166,45 @@ __device__ __forceinline__ void l1_epilogue_swap(const KernelParams& p, uint8_t*
 
   float act[kSub][kChunks][2];
   float amax[kChunks][2];
+  for_each_fragment_col<kChunks>([&](int c, int j) {
+    const int token = fc.col(c, j);
+    const float w = token < valid_rows ? __ldcg(pool_weight + row_base + token) : 0.f;
+    amax[c][j] = 0.f;
 #pragma unroll
-  for (int c = 0; c < kChunks; ++c)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int token = 8 * c + 2 * fc.q + j;
-      const float w = token < valid_rows ? __ldcg(pool_weight + row_base + token) : 0.f;
-      amax[c][j] = 0.f;
-#pragma unroll
-      for (int i = 0; i < kSub; ++i) {
-        const float gate = fminf(acc[i * kFrag + 4 * c + j], clamp);
-        const float up = fminf(fmaxf(acc[i * kFrag + 4 * c + 2 + j], -clamp), clamp);
-        const float v = silu<Cfg::kFastMath>(gate) * up * w;
-        act[i][c][j] = v;
-        amax[c][j] = fmaxf(amax[c][j], fabsf(v));
-      }
-#pragma unroll
-      for (int mask = 4; mask < 32; mask *= 2)
-        amax[c][j] = fmaxf(amax[c][j], __shfl_xor_sync(0xffffffffu, amax[c][j], mask));
+    for (int i = 0; i < kSub; ++i) {
+      const float gate = fminf(acc[i * kFrag + 4 * c + j], clamp);
+      const float up = fminf(fmaxf(acc[i * kFrag + 4 * c + 2 + j], -clamp), clamp);
+      const float v = silu<Cfg::kFastMath>(gate) * up * w;
+      act[i][c][j] = v;
+      amax[c][j] = fmaxf(amax[c][j], fabsf(v));
     }
+#pragma unroll
+    for (int mask = 4; mask < 32; mask *= 2)
+      amax[c][j] = fmaxf(amax[c][j], __shfl_xor_sync(0xffffffffu, amax[c][j], mask));
+  });
   float* mine = amax_exchange + (parity * 8 + math_warp) * kN;
-  if (lane < 4)
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) mine[8 * c + 2 * fc.q + j] = amax[c][j];
+  if (lane < 4) for_each_fragment_col<kChunks>([&](int c, int j) { mine[fc.col(c, j)] = amax[c][j]; });
   named_barrier_sync(kEpilogueBarrierId, Cfg::kNumMathThreads);
 
   uint8_t* act_out = base + p.off.act;
   float* act_sf = reinterpret_cast<float*>(base + p.off.act_sf);
   const int col = t.n_block * 128 + 64 * wg + 8 * (math_warp % 4) + lane / 4;
+  for_each_fragment_col<kChunks>([&](int c, int j) {
+    const int token = fc.col(c, j);
+    if (token >= valid_rows) return;
+    float m = 0.f;
 #pragma unroll
-  for (int c = 0; c < kChunks; ++c)
+    for (int w8 = 0; w8 < 8; ++w8) m = fmaxf(m, amax_exchange[(parity * 8 + w8) * kN + token]);
+    const float scale = fmaxf(m, kScaleEps) / kFp8Max;
+    const int row = row_base + token;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int token = 8 * c + 2 * fc.q + j;
-      if (token >= valid_rows) continue;
-      float m = 0.f;
-#pragma unroll
-      for (int w8 = 0; w8 < 8; ++w8) m = fmaxf(m, amax_exchange[(parity * 8 + w8) * kN + token]);
-      const float scale = fmaxf(m, kScaleEps) / kFp8Max;
-      const int row = row_base + token;
-#pragma unroll
-      for (int i = 0; i < kSub; ++i) {
-        const float v = Cfg::kFastMath ? act[i][c][j] * (1.f / scale) : act[i][c][j] / scale;
-        act_out[(int64_t)row * Cfg::kInter + col + 32 * i] =
-            static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
-      }
-      if (math_warp == 0 && lane < 4) act_sf[(int64_t)t.n_block * p.pool_capacity + row] = scale;
+    for (int i = 0; i < kSub; ++i) {
+      const float v = Cfg::kFastMath ? act[i][c][j] * (1.f / scale) : act[i][c][j] / scale;
+      act_out[(int64_t)row * Cfg::kInter + col + 32 * i] =
+          static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
     }
+    if (math_warp == 0 && lane < 4) act_sf[(int64_t)t.n_block * p.pool_capacity + row] = scale;
+  });
 }
 
 // L2: rows 64i + r0 (+ 8) of the warpgroup are hidden columns; each token's values go to
@@ -228,21 +218,18 @@ __device__ __forceinline__ void l2_epilogue_swap(const KernelParams& p, uint8_t*
   const int row_base = tables.exp_start[t.expert] + t.m_block * kN;
   const int valid_rows = tables.exp_count[t.expert] - t.m_block * kN;
   const int2* pool_src = reinterpret_cast<const int2*>(base + p.off.pool_src);
+  for_each_fragment_col<kChunks>([&](int c, int j) {
+    const int token = fc.col(c, j);
+    if (token >= valid_rows) return;
+    const int2 src = __ldcg(pool_src + row_base + token);  // (source rank, token * K + slot)
+    __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(p.peer_base[src.x] + p.off.combine) +
+                         (int64_t)src.y * Cfg::kHidden + col_base + fc.r0;
 #pragma unroll
-  for (int c = 0; c < kChunks; ++c)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int token = 8 * c + 2 * fc.q + j;
-      if (token >= valid_rows) continue;
-      const int2 src = __ldcg(pool_src + row_base + token);  // (source rank, token * K + slot)
-      __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(p.peer_base[src.x] + p.off.combine) +
-                           (int64_t)src.y * Cfg::kHidden + col_base + fc.r0;
-#pragma unroll
-      for (int i = 0; i < Cfg::kSwapSubTiles; ++i) {
-        dst[64 * i] = __float2bfloat16_rn(acc[i * kFrag + 4 * c + j]);
-        dst[64 * i + 8] = __float2bfloat16_rn(acc[i * kFrag + 4 * c + 2 + j]);
-      }
+    for (int i = 0; i < Cfg::kSwapSubTiles; ++i) {
+      dst[64 * i] = __float2bfloat16_rn(acc[i * kFrag + 4 * c + j]);
+      dst[64 * i + 8] = __float2bfloat16_rn(acc[i * kFrag + 4 * c + 2 + j]);
     }
+  });
 }
 
 }  // namespace megamoe

@@ -129,7 +129,19 @@ struct FragCoord {
   __device__ static FragCoord of(int thread_in_wg) {
     return {(thread_in_wg / 32) * 16 + (thread_in_wg % 32) / 4, thread_in_wg % 4};
   }
+  // Column 8c + 2q + j of the fragment (swap-AB: the tile's token 8c + 2q + j).
+  __device__ int col(int c, int j) const { return 8 * c + 2 * q + j; }
 };
+
+// Calls f(c, j) for the fragment columns 8c + 2q + j, c < kChunks, j < 2, that a thread holds
+// (swap-AB: its tokens), unrolled.
+template <int kChunks, class F>
+__device__ __forceinline__ void for_each_fragment_col(F&& f) {
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) f(c, j);
+}
 
 // One math warpgroup's main loop over a tile: acc = sum_kb sa[row] * sb(col, kb) * (A_kb @ B_kb^T).
 // `sfa` points at the tile's first row in an MN-major scale pool ([k-block][pool row]).
@@ -200,10 +212,7 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
   for (int kb = 0; kb < kNumKBlocks; ++kb) {
     const float2 sb = weight_scales(kb);
     float sa[kChunks][2];
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) sa[c][j] = __ldcg(sfa + (int64_t)kb * p.pool_capacity + 8 * c + 2 * fc.q + j);
+    for_each_fragment_col<kChunks>([&](int c, int j) { sa[c][j] = __ldcg(sfa + (int64_t)kb * p.pool_capacity + fc.col(c, j)); });
     mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
     const uint64_t desc_tokens = make_smem_desc(sv.a(ps.stage));
     uint64_t desc_w[Cfg::kSwapSubTiles];
@@ -225,13 +234,10 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
     if (threadIdx.x % 32 == 0) cuda::ptx::mbarrier_arrive(&empty[ps.stage]);
 #pragma unroll
     for (int i = 0; i < Cfg::kSwapSubTiles; ++i)
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          acc[i * kFrag + 4 * c + j] += part[i * kFrag + 4 * c + j] * (sa[c][j] * sb.x);
-          acc[i * kFrag + 4 * c + 2 + j] += part[i * kFrag + 4 * c + 2 + j] * (sa[c][j] * sb.y);
-        }
+      for_each_fragment_col<kChunks>([&](int c, int j) {
+        acc[i * kFrag + 4 * c + j] += part[i * kFrag + 4 * c + j] * (sa[c][j] * sb.x);
+        acc[i * kFrag + 4 * c + 2 + j] += part[i * kFrag + 4 * c + 2 + j] * (sa[c][j] * sb.y);
+      });
     ps.advance<Cfg::kNumStages>();
   }
 }
