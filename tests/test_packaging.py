@@ -23,6 +23,15 @@ def wheel(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """The wheel pip-installed into a target folder, as `pip install --target` would."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True)
+    return target
+
+
 def test_wheel_ships_kernel_sources_and_configs(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for src in sorted((REPO / "csrc" / "megamoe").iterdir()):
@@ -32,10 +41,8 @@ def test_wheel_ships_kernel_sources_and_configs(wheel):
     assert any(n.endswith(".dist-info/entry_points.txt") for n in names)
 
 
-def test_installed_copy_finds_its_own_files_with_the_same_cache_key(wheel, tmp_path):
-    target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True)
+def test_installed_copy_finds_its_own_files_with_the_same_cache_key(installed, tmp_path):
+    target = installed
     probe = ("import json, megamoe_plugin.paths as p, megamoe_plugin.jit as j, megamoe_plugin.configs as c;"
              "print(json.dumps([str(p.CSRC_DIR), str(p.CONFIGS_DIR), j._sources_digest()]))")
     # Run outside the repo so the source tree cannot shadow the installed copy.
@@ -50,14 +57,12 @@ def test_installed_copy_finds_its_own_files_with_the_same_cache_key(wheel, tmp_p
     assert digest == jit._sources_digest()
 
 
-def test_source_tree_shadowing_the_installed_copy_is_named(wheel, tmp_path):
+def test_source_tree_shadowing_the_installed_copy_is_named(installed, tmp_path):
     """A checkout without the built extension imported ahead of the real install (what
     `vllm serve` started in the repo root does) gets an error that names both places.
     (The message is what is checked: in this test environment the editable install's
     import hook would still find the repository's own extension.)"""
-    target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True)
+    target = installed
     checkout = tmp_path / "checkout"
     shutil.copytree(REPO / "megamoe_plugin", checkout / "megamoe_plugin",
                     ignore=shutil.ignore_patterns("_runtime.*", "__pycache__"))
