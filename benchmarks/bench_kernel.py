@@ -6,7 +6,7 @@ each; with R ranks the slowest rank's median), TFLOPS, and rank 0's floor max(by
 measured HBM bandwidth, FLOPs / measured FP8 GEMM rate, NVLink bytes / measured peer
 bandwidth) with time / floor. The ceilings are measured in the same run.
 
-    python benchmarks/bench_kernel.py [--configs v3,v4flash] [--tokens 1,8,128] [--iters 20]
+    python benchmarks/bench_kernel.py [--configs v3,v4flash] [--tokens 1,8,128] [--iters 20] [--no-fast-math]
     torchrun --nproc-per-node 2 benchmarks/bench_kernel.py ...     # R = 2 over NVLink
 """
 import argparse
@@ -124,6 +124,8 @@ def main():
     parser.add_argument("--configs", default="v3,v4flash")
     parser.add_argument("--tokens", default="1,8,32,128,512,2048,8192")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--no-fast-math", dest="fast_math", action="store_false",
+                        help="call with fast_math=False (exact SwiGLU math)")
     args = parser.parse_args()
     tokens_list = [int(t) for t in args.tokens.split(",")]
     rank, num_ranks, group = init_world()
@@ -147,7 +149,7 @@ def main():
                 except (AttributeError, RuntimeError, TypeError) as exc:
                     say(f"peer bandwidth not measured ({exc}); the NVLink floor term is left out")
             say(f"{num_ranks} x {torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, FP8 GEMM "
-                f"{fp8_rate / 1e12:.0f} TFLOP/s" + (f", peer read {peer_bandwidth / 1e9:.0f} GB/s" if num_ranks > 1
+                f"{fp8_rate / 1e12:.0f} TFLOP/s, fast_math={args.fast_math}" + (f", peer read {peer_bandwidth / 1e9:.0f} GB/s" if num_ranks > 1
                                                    else ""))
             say(f"{'config':8s} {'tokens':>6s} {'time_us':>9s} {'TFLOPS':>7s} {'floor_us':>9s} {'ratio':>6s}")
         for n in tokens_list:
@@ -160,7 +162,8 @@ def main():
                 if group is not None:
                     dist.barrier(group)
 
-            t = median_call_seconds(functools.partial(mm.fp8_mega_moe, y, layer.l1, layer.l2, buf), args.iters,
+            t = median_call_seconds(functools.partial(mm.fp8_mega_moe, y, layer.l1, layer.l2, buf,
+                                                      fast_math=args.fast_math), args.iters,
                                     before_call)
             all_idx = [inputs["topk_idx"]]
             if group is not None:
