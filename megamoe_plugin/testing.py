@@ -84,12 +84,15 @@ def fill_buffer(buf, inputs: Dict[str, torch.Tensor]) -> int:
     return n
 
 
-def fp8_tensor_core_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_sf: torch.Tensor) -> torch.Tensor:
+def fp8_tensor_core_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_sf: torch.Tensor,
+                       k_chunk: int = 128) -> torch.Tensor:
     """One expert's L1 output computed the way FP8 tensor cores compute it: cuBLAS FP8
     GEMMs (fast accumulation off) per 128-wide k-block, block scales applied in float32.
     CUDA only. FP8 tensor cores accumulate with reduced precision, so this differs from
     the exact GEMM by up to ~1e-3 relative (docs/results), enough to flip about 1% of the
-    requantized FP8 codes; a kernel with the same numerics should match this closely."""
+    requantized FP8 codes; a kernel with the same numerics should match this closely.
+    k_chunk < 128 sums each k-block from float32 partial GEMMs of k_chunk columns (the
+    accumulator promoted to float32 more often; tools/l1_promotion_interval.py)."""
     rows = x.shape[0]
     padded = -(-rows // 16) * 16  # cuBLAS FP8 wants dimensions in multiples of 16
     x = torch.cat([x, torch.zeros(padded - rows, x.shape[1], dtype=x.dtype, device=x.device)])
@@ -97,9 +100,11 @@ def fp8_tensor_core_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_s
     out = torch.zeros(padded, w.shape[0], dtype=torch.float32, device=x.device)
     one = torch.ones((), device=x.device)
     for kb in range(x.shape[1] // 128):
-        cols = slice(kb * 128, (kb + 1) * 128)
-        part = torch._scaled_mm(x[:, cols].contiguous(), w[:, cols].contiguous().t(), scale_a=one, scale_b=one,
-                                out_dtype=torch.float32, use_fast_accum=False)
+        part = 0
+        for k0 in range(kb * 128, (kb + 1) * 128, k_chunk):
+            cols = slice(k0, k0 + k_chunk)
+            part = part + torch._scaled_mm(x[:, cols].contiguous(), w[:, cols].contiguous().t(), scale_a=one,
+                                           scale_b=one, out_dtype=torch.float32, use_fast_accum=False)
         out += part * x_sf[:, kb: kb + 1] * w_sf[:, kb].repeat_interleave(128)[None, :]
     return out[:rows]
 
