@@ -40,6 +40,7 @@ _TIER_UPPER_BOUNDS = ((4.0, 8), (8.0, 16), (16.0, 32), (64.0, 64))
 SMEM_LIMIT = 232448
 STAGE_ALIGN = 1024
 _FP8_BYTES = 1
+_F16_BYTES = 2
 _F32_BYTES = 4
 _I32_BYTES = 4
 # The kernel's per-local-expert tables: two int32 words per local expert.
@@ -112,10 +113,12 @@ def _stage_bytes(block_m: int) -> int:
 
 
 def _fixed_bytes(block_m: int, num_local_experts: int) -> int:
-    # [2 parities][2 warpgroups][block_m]; swap-AB tiers: [2 parities][8 math warps][block_m]
-    amax_exchange = 2 * (8 if block_m < 64 else 2) * block_m * _F32_BYTES
+    amax_exchange = 2 * 8 * block_m * _F32_BYTES  # [2 parities][8 math warps][block_m]
     expert_tables = (_EXPERT_TABLE_WORDS * num_local_experts + 1) * _I32_BYTES
-    return _align(_BARRIER_SCRATCH_BYTES + amax_exchange + expert_tables, STAGE_ALIGN) + _BASE_ALIGN_BYTES
+    l1_token_scales = 2 * block_m * _F32_BYTES  # per math warpgroup
+    l1_token_staging = 2 * block_m * BLOCK_K * _F16_BYTES  # per math warpgroup
+    return (_align(_BARRIER_SCRATCH_BYTES + amax_exchange + expert_tables + l1_token_scales, STAGE_ALIGN)
+            + l1_token_staging + _BASE_ALIGN_BYTES)
 
 
 def smem_bytes(block_m: int, num_stages: int, num_local_experts: int) -> int:
@@ -123,9 +126,9 @@ def smem_bytes(block_m: int, num_stages: int, num_local_experts: int) -> int:
 
     num_stages pipeline stages (A tile, B tile, padded to 1024 bytes so every
     stage's tiles stay aligned for the TMA swizzle) plus the fixed part: 1024 bytes of
-    mbarriers, the cross-warpgroup amax exchange (double-buffered, 2 * 2 * block_m (swap-AB: 2 * 8 * block_m)
-    float32), 3 int32 tables per local expert, and 1024 bytes of slack to align the
-    dynamic shared memory base.
+    mbarriers, the cross-warp amax exchange (double-buffered, 2 * 8 * block_m float32),
+    3 int32 tables per local expert, each math warpgroup's L1 token scales (block_m float32)
+    and FP16 copy of the L1 token tile (block_m * 128 * 2 bytes), and 1024 bytes of slack to align the dynamic shared memory base.
     """
     _check_tier(block_m)
     _check_local_experts(num_local_experts)

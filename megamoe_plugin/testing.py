@@ -90,7 +90,7 @@ def fp8_tensor_core_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_s
     GEMMs (fast accumulation off) per 128-wide k-block, block scales applied in float32.
     CUDA only. FP8 tensor cores accumulate with reduced precision, so this differs from
     the exact GEMM by up to ~1e-3 relative (docs/results), enough to flip about 1% of the
-    requantized FP8 codes; a kernel with the same numerics should match this closely.
+    requantized FP8 codes; why the kernel's L1 runs on FP16 tensor cores (tools/).
     k_chunk < 128 sums each k-block from float32 partial GEMMs of k_chunk columns (the
     accumulator promoted to float32 more often; tools/l1_promotion_interval.py)."""
     rows = x.shape[0]
@@ -109,19 +109,11 @@ def fp8_tensor_core_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_s
     return out[:rows]
 
 
-L1_NUMERICS = ("exact", "fp8_tensor_core")
-
-
 def reference_outputs(inputs: List[Dict[str, torch.Tensor]], layers: List[Layer], num_experts: int,
-                      activation_clamp: Optional[float] = None, l1_numerics: str = "exact") -> List[torch.Tensor]:
-    """The reference for these ranks' inputs. l1_numerics "exact" is DESIGN.md section 2
-    as written; "fp8_tensor_core" computes step 1 with FP8 tensor-core accumulation
-    (fp8_tensor_core_l1), which separates kernel bugs from the hardware's rounding."""
+                      activation_clamp: Optional[float] = None) -> List[torch.Tensor]:
+    """The exact reference (DESIGN.md section 2) for these ranks' inputs."""
     from . import reference
 
-    if l1_numerics not in L1_NUMERICS:
-        raise ValueError(f"l1_numerics must be one of {L1_NUMERICS}, got {l1_numerics!r}")
     ranks = [{k: v for k, v in r.items() if k != "hidden_states"} for r in inputs]
     return reference.mega_moe(ranks, [layer.checkpoint for layer in layers], num_experts,
-                              activation_clamp=activation_clamp,
-                              l1_gemm=fp8_tensor_core_l1 if l1_numerics == "fp8_tensor_core" else None)
+                              activation_clamp=activation_clamp)

@@ -19,20 +19,23 @@ struct KernelConfig {
   static constexpr bool kFastMath = kFastMath_;
 
   // A GEMM tile is BLOCK_M pool rows x 256 weight rows x 128 (K); math warpgroup w
-  // computes weight rows [128w, 128w+128). BLOCK_M 64: pool rows are the WGMMA M side
-  // (m64n128k32). BLOCK_M 8/16/32 (decode tiers): swap-AB, the weight rows are the M side
-  // (two m64 sub-tiles per warpgroup) and the pool rows the N side (m64nBLOCK_Mk32), so a
-  // tile with a few tokens does not pay for 64 rows of MMA.
-  static constexpr bool kSwapAB = kBlockM < 64;
+  // computes weight rows [128w, 128w+128). L1 is always swap-AB on FP16 tensor cores
+  // (weight rows on the WGMMA M side as two m64 sub-tiles per warpgroup, pool rows the N
+  // side, m64nBLOCK_Mk16; gemm.cuh mma_tile_l1). L2 runs on FP8 tensor cores: BLOCK_M 64
+  // with pool rows on the M side (m64n128k32), BLOCK_M 8/16/32 (decode tiers) swap-AB
+  // (m64nBLOCK_Mk32), so a tile with a few tokens does not pay for 64 rows of MMA.
+  static constexpr bool kL2SwapAB = kBlockM < 64;
   static constexpr int kSwapSubTiles = 2;  // m64 sub-tiles per warpgroup in swap-AB
-  // Accumulator floats per math thread: m64n128 (64), or 2 sub-tiles of m64nBLOCK_M.
-  static constexpr int kAccFloats = kSwapAB ? kSwapSubTiles * kBlockM / 2 : 64;
+  // Accumulator floats per math thread: 2 sub-tiles of m64nBLOCK_M (L1, swap-AB L2), or
+  // m64n128 (L2 at BLOCK_M 64): BLOCK_M either way.
+  static constexpr int kAccFloats = kSwapSubTiles * kBlockM / 2;
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 128;
   static constexpr int kWgN = 128;
-  // K depth accumulated inside WGMMA before promotion to float32 registers (32..128).
-  // Measured on H200 (docs/results): 32 instead of 128 lowered the 99th-percentile
-  // per-row error only from 1.3e-2 to 8.3e-3 and cost 30-45% of the time, so 128.
+  // L2 only: K depth accumulated inside FP8 WGMMA before promotion to float32 registers.
+  // L1 runs on FP16 tensor cores instead (gemm.cuh, mma_tile_l1): FP8 accumulation flips
+  // requantized act codes and misses DESIGN.md section 2's per-token bound even when
+  // promoted every 32 K (docs/results).
   static constexpr int kPromoteK = 128;
   // L1: 256 interleaved gate/up rows = 128 outputs = exactly one requant group.
   static constexpr int kL1NumNBlocks = 2 * kInter / kBlockN;
@@ -48,12 +51,18 @@ struct KernelConfig {
   // Shared memory (bytes from a 1024-aligned base).
   static constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
   static constexpr int kSmemBarriers = 0;  // full[kNumStages], empty[kNumStages]
-  // float [2 parities][2 warpgroups][BLOCK_M]; swap-AB: [2 parities][8 math warps][BLOCK_M]
+  // L1 requant amax exchange, float [2 parities][8 math warps][BLOCK_M]
   static constexpr int kSmemAmax = 1024;
-  static constexpr int kAmaxSlots = kSwapAB ? 8 : 2;  // 8 = kNumMathThreads / 32
+  static constexpr int kAmaxSlots = kNumMathThreads / 32;
   static constexpr int kSmemTables = kSmemAmax + 2 * kAmaxSlots * kBlockM * 4;
   // int32 exp_start[E_l], exp_count[E_l], mblk_prefix[E_l + 1]
-  static constexpr int kSmemStages = align_up(kSmemTables + (3 * kNumLocalExperts + 1) * 4, 1024);
+  // float [2 math warpgroups][BLOCK_M]: the L1 k-block's token scales
+  static constexpr int kSmemTokenScales = kSmemTables + (3 * kNumLocalExperts + 1) * 4;
+  static constexpr int kSmemStaging = align_up(kSmemTokenScales + 2 * kBlockM * 4, 1024);
+  // L1: each math warpgroup's FP16 copy of the stage's token tile (BLOCK_M x 128 K, two
+  // 64-wide K atoms of [BLOCK_M][128 B], 128B swizzle), the B operand of its FP16 WGMMAs.
+  static constexpr int kStagingBytesPerWg = kBlockM * kBlockK * 2;
+  static constexpr int kSmemStages = kSmemStaging + 2 * kStagingBytesPerWg;
   static constexpr int kStageA = kBlockM * kBlockK;
   static constexpr int kStageB = kBlockN * kBlockK;
   static constexpr int kStageBytes = align_up(kStageA + kStageB, 1024);

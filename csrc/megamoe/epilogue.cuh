@@ -1,9 +1,8 @@
 // GEMM epilogues, run by the math warpgroups on their register accumulators.
 //
-// L1: the 256 interleaved columns of a tile are gate/up pairs of 128 outputs (one
-// requant group). Warpgroup w holds outputs [64w, 64w+64) of the group: per row it
-// reduces its amax over a quad of lanes, exchanges it with the other warpgroup through
-// shared memory (named barrier 1), then both quantize with the same float32 scale.
+// L1 (l1_epilogue_swap, every tier): the 256 interleaved weight rows of a tile are gate/up
+// pairs of 128 outputs (one requant group); a token's amax is reduced over the 8 math warps
+// through shared memory (named barrier 1), then all quantize with the same float32 scale.
 // L2: BF16 rows are stored straight into the combine buffer of the rank that owns the
 // token (over NVLink for remote tokens), at the token's (slot) position.
 #pragma once
@@ -26,71 +25,6 @@ template <bool kFastMath>
 __device__ __forceinline__ float silu(float x) {
   if constexpr (kFastMath) return __fdividef(x, 1.f + __expf(-x));
   else return x / (1.f + expf(-x));
-}
-
-__device__ __forceinline__ float quad_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-
-// acc: this warpgroup's m64n128 accumulator of interleaved gate/up columns.
-// amax_exchange: shared float [2 parities][2 warpgroups][BLOCK_M].
-template <class Cfg>
-__device__ __forceinline__ void l1_epilogue(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
-                                            const Tile& t, int wg, const FragCoord& fc, float* acc,
-                                            float* amax_exchange, int parity) {
-  const int row_base = tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
-  const int valid_rows = tables.exp_count[t.expert] - t.m_block * Cfg::kBlockM;
-  const bool valid0 = fc.r0 < valid_rows, valid1 = fc.r0 + 8 < valid_rows;
-  const float* pool_weight = reinterpret_cast<const float*>(base + p.off.pool_weight);
-  const float w0 = valid0 ? __ldcg(pool_weight + row_base + fc.r0) : 0.f;
-  const float w1 = valid1 ? __ldcg(pool_weight + row_base + fc.r0 + 8) : 0.f;
-  const float clamp = p.activation_clamp;
-
-  // act[4j + i]: output pair j (gate chunk 2j, up chunk 2j+1), fragment slot i.
-  float act[32];
-  float amax0 = 0.f, amax1 = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float gate = fminf(acc[8 * j + i], clamp);
-      const float up = fminf(fmaxf(acc[8 * j + 4 + i], -clamp), clamp);
-      const float v = silu<Cfg::kFastMath>(gate) * up * (i < 2 ? w0 : w1);
-      act[4 * j + i] = v;
-      if (i < 2) amax0 = fmaxf(amax0, fabsf(v)); else amax1 = fmaxf(amax1, fabsf(v));
-    }
-  }
-  amax0 = quad_max(amax0);
-  amax1 = quad_max(amax1);
-  float* mine = amax_exchange + (parity * 2 + wg) * Cfg::kBlockM;
-  const float* other = amax_exchange + (parity * 2 + (wg ^ 1)) * Cfg::kBlockM;
-  if (fc.q == 0) mine[fc.r0] = amax0, mine[fc.r0 + 8] = amax1;
-  named_barrier_sync(kEpilogueBarrierId, Cfg::kNumMathThreads);
-  amax0 = fmaxf(amax0, other[fc.r0]);
-  amax1 = fmaxf(amax1, other[fc.r0 + 8]);
-  const float scale0 = fmaxf(amax0, kScaleEps) / kFp8Max, scale1 = fmaxf(amax1, kScaleEps) / kFp8Max;
-
-  // Output column of pair j: n_block * 128 + 64 * wg + 8 * j + 2 * q.
-  uint8_t* act_out = base + p.off.act;
-  const int col_base = t.n_block * 128 + 64 * wg + 2 * fc.q;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    if (!(half == 0 ? valid0 : valid1)) continue;
-    const float scale = half == 0 ? scale0 : scale1;
-    const int row = row_base + fc.r0 + 8 * half;
-    uint8_t* out = act_out + (int64_t)row * Cfg::kInter + col_base;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float2 v = make_float2(act[4 * j + 2 * half], act[4 * j + 2 * half + 1]);
-      if constexpr (Cfg::kFastMath) v.x *= 1.f / scale, v.y *= 1.f / scale;
-      else v.x /= scale, v.y /= scale;
-      const __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
-      *reinterpret_cast<__nv_fp8x2_storage_t*>(out + 8 * j) = q;
-    }
-    if (wg == 0 && fc.q == 0)
-      reinterpret_cast<float*>(base + p.off.act_sf)[(int64_t)t.n_block * p.pool_capacity + row] = scale;
-  }
 }
 
 // Transposes a 4x4 block of 32-bit values across the 4 lanes of a quad: lane q holds
@@ -146,7 +80,8 @@ __device__ __forceinline__ void l2_epilogue(const KernelParams& p, uint8_t* base
   }
 }
 
-// Swap-AB epilogues (BLOCK_M 8/16/32, gemm.cuh mma_tile_swap): a thread holds weight rows
+// Swap-AB epilogues (L1: every tier, gemm.cuh mma_tile_l1; L2: BLOCK_M 8/16/32,
+// mma_tile_swap): a thread holds weight rows
 // 64i + r0 and 64i + r0 + 8 of its warpgroup's 128 for tokens 8c + 2q + {0,1}.
 //
 // L1: with the interleave of 8, rows 64i + r0 and 64i + r0 + 8 are the gate and up rows

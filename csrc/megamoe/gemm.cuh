@@ -2,15 +2,19 @@
 //   - TileScheduler: static round-robin of (expert, m-block, n-block) tiles over CTAs,
 //     n-major inside an expert so neighbouring CTAs share the weight tile in L2 cache.
 //   - produce_tiles: the TMA producer (one elected thread of warp 0) fills the stage ring.
-//   - mma_tile: a math warpgroup's main loop, WGMMA m64n128k32 FP8 into a per-k-block
-//     accumulator, promoted into float32 with the activation (per row) and weight (per
-//     128x128 block) scales, as DeepGEMM-style block-scaled FP8 GEMMs do.
-// Barriers: full[s] (1 producer arrival + TMA bytes), empty[s] (one arrival per math warp).
+//   - mma_tile / mma_tile_swap: L2's main loop, WGMMA FP8 into a per-k-block accumulator,
+//     promoted into float32 with the activation (per row) and weight (per 128x128 block)
+//     scales, as DeepGEMM-style block-scaled FP8 GEMMs do.
+//   - mma_tile_l1: L1's main loop, the same GEMM on FP16 tensor cores (exact products of
+//     the FP8 values, float32 accumulation), which the requantization after L1 needs.
+// Barriers: full[s] (1 producer arrival + TMA bytes), empty[s] (one arrival per math warp),
+// named barrier 2 + wg (a math warpgroup's L1 token staging).
 #pragma once
 
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cuda/ptx>
+#include <cuda_fp8.h>
 #include <utility>
 
 #include "config.cuh"
@@ -54,6 +58,8 @@ struct TileScheduler {
 template <class Cfg>
 struct StageView {
   uint8_t* stages;
+  uint8_t* staging;  // the math warpgroups' L1 token tiles in FP16 (Cfg::kSmemStaging)
+  float* l1_token_scales;  // [2 math warpgroups][BLOCK_M]: the k-block's token scales (Cfg::kSmemTokenScales)
   __device__ uint8_t* a(int s) const { return stages + s * Cfg::kStageBytes; }
   __device__ uint8_t* b(int s) const { return a(s) + Cfg::kStageA; }
 };
@@ -194,7 +200,7 @@ __device__ __forceinline__ void mma_tile(const KernelParams& p, const StageView<
   }
 }
 
-// Swap-AB main loop of one math warpgroup (BLOCK_M < 64): the warpgroup's 128 weight rows
+// Swap-AB main loop of one math warpgroup (L2 with BLOCK_M < 64): the warpgroup's 128 weight rows
 // are two m64 sub-tiles on the WGMMA M side, the tile's BLOCK_M pool rows (tokens) the N
 // side. acc[kSwapSubTiles][BLOCK_M / 2], fragment of sub-tile i: acc[i][4c + {0,1}] =
 // weight row 64i + r0, tokens 8c + 2q + {0,1}; acc[i][4c + {2,3}] = weight row 64i + r0 + 8.
@@ -238,6 +244,147 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
         acc[i * kFrag + 4 * c + j] += part[i * kFrag + 4 * c + j] * (sa[c][j] * sb.x);
         acc[i * kFrag + 4 * c + 2 + j] += part[i * kFrag + 4 * c + 2 + j] * (sa[c][j] * sb.y);
       });
+    ps.advance<Cfg::kNumStages>();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// L1 on FP16 tensor cores. Every e4m3 value is exact in FP16 and FP16 WGMMA accumulates in
+// float32, so h = a @ B13^T comes out float32-grade; FP8 WGMMA's reduced-precision
+// accumulation flips about 1% of the requantized act codes and puts ~1% of tokens past the
+// per-token bound of DESIGN.md section 2 (docs/results). Layout is swap-AB for every tier:
+// the weights are the WGMMA A operand, converted from the FP8 stage straight into registers
+// (ldmatrix + cvt, no shared-memory copy of the big operand), the BLOCK_M tokens the N side,
+// converted once per k-block into the warpgroup's FP16 staging tile.
+//
+// K order: ldmatrix of the FP8 rows viewed as 16-bit pairs gives lane q of a quad the bytes
+// 4q..4q+3 of a 16-wide K slice, while an m64k16 A fragment wants K 2q, 2q+1 (registers 0,
+// 1) and 2q+8, 2q+9 (registers 2, 3). Each slice therefore runs in a permuted K order, slot
+// 2q + j <- K 4q + j and slot 8 + 2q + j <- K 4q + 2 + j; the token staging applies the same
+// permutation, and a dot product does not depend on the order of its terms.
+
+template <int N> struct L1Wgmma;
+template <> struct L1Wgmma<8> { using Op = cute::SM90::GMMA::MMA_64x8x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>; };
+template <> struct L1Wgmma<16> { using Op = cute::SM90::GMMA::MMA_64x16x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>; };
+template <> struct L1Wgmma<32> { using Op = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>; };
+template <> struct L1Wgmma<64> { using Op = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>; };
+
+template <class Op, int... I>
+__device__ __forceinline__ void wgmma_rs_call(const uint32_t (&a)[4], uint64_t db, float* d, bool accumulate,
+                                              std::integer_sequence<int, I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], db, d[I]...,
+          accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+// Two e4m3 (low, high byte of a 16-bit word) -> FP16x2 (low half = low byte).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xFFFFu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t smem_addr, uint32_t (&d)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(smem_addr));
+}
+
+// The stage's token tile (kN rows x 128 FP8, 128B-swizzled as TMA wrote it) -> FP16 in
+// the permuted K order, K-major with the 128B swizzle: two 64-wide K atoms of [kN][128 B].
+template <int kN>
+__device__ __forceinline__ void stage_l1_tokens(const uint8_t* src, uint8_t* dst, int thread_in_wg) {
+#pragma unroll
+  for (int i = thread_in_wg; i < kN * 8; i += 128) {
+    const int r = i / 8, c = i % 8;  // 16-byte chunk c = K slice c
+    const uint4 v = *reinterpret_cast<const uint4*>(src + r * 128 + ((c ^ (r & 7)) * 16));
+    const uint32_t in[4] = {v.x, v.y, v.z, v.w};
+    uint32_t out[8];  // out[g]: slots 2g, 2g + 1 (K 4g, 4g + 1); out[4 + g]: slots 8 + 2g, 9 + 2g
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      out[g] = e4m3x2_to_f16x2(in[g]);
+      out[4 + g] = e4m3x2_to_f16x2(in[g] >> 16);
+    }
+    uint8_t* row = dst + (c / 4) * kN * 128 + r * 128;
+    const int c8 = 2 * (c % 4);  // the slice's two 16-byte FP16 chunks in its K atom
+    *reinterpret_cast<uint4*>(row + ((c8 ^ (r & 7)) * 16)) = make_uint4(out[0], out[1], out[2], out[3]);
+    *reinterpret_cast<uint4*>(row + (((c8 + 1) ^ (r & 7)) * 16)) = make_uint4(out[4], out[5], out[6], out[7]);
+  }
+}
+
+constexpr int kL1StagingBarrierId = 2;  // + warpgroup index
+
+// L1 main loop of one math warpgroup, every tier. Accumulator layout and scale contract as
+// mma_tile_swap: acc[i][4c + {0,1}] = weight row 64i + r0 (gate), acc[i][4c + {2,3}] = row
+// 64i + r0 + 8 (up), tokens 8c + 2q + {0,1}; `weight_scales(kb)` .x gate, .y up.
+// Per k-block: stage the tokens in FP16, then per sub-tile load and convert its FP8 weight
+// fragments, run 8 m64nBLOCK_Mk16 WGMMAs into a fresh accumulator and promote it; the stage
+// goes back to the producer once the last sub-tile's fragments are in registers.
+// Named barrier 2 + wg: before staging (the previous k-block's WGMMAs and promotions of all
+// four warps are done with the staging tile and token scales) and after it (both complete).
+template <class Cfg, int kNumKBlocks, class WeightScales>
+__device__ __forceinline__ void mma_tile_l1(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
+                                            uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
+                                            const float* sfa, float* acc, WeightScales weight_scales) {
+  constexpr int kN = Cfg::kBlockM, kFrag = kN / 2, kChunks = kN / 8, kSlices = Cfg::kBlockK / 16;
+  using Op = typename L1Wgmma<kN>::Op;
+  const int thread_in_wg = threadIdx.x % 128, lane = threadIdx.x % 32;
+  uint8_t* staging = sv.staging + wg * Cfg::kStagingBytesPerWg;
+  float* token_scales = sv.l1_token_scales + wg * kN;
+  // ldmatrix.x4 row addresses: lanes 0-7 / 8-15 / 16-23 / 24-31 give matrices (rows 0-7,
+  // slice s), (rows 8-15, s), (rows 0-7, s + 1), (rows 8-15, s + 1) of the warp's 16 rows.
+  const int ld_row = wg * Cfg::kWgN + (thread_in_wg / 32) * 16 + lane % 8 + 8 * ((lane / 8) % 2);
+  const int ld_slice = lane / 16;
+  float part[kFrag];
+#pragma unroll
+  for (int i = 0; i < Cfg::kAccFloats; ++i) acc[i] = 0.f;
+  for (int kb = 0; kb < kNumKBlocks; ++kb) {
+    const float2 sb = weight_scales(kb);
+    // The tokens' scales go through shared memory, not 2 * kChunks registers per thread.
+    const float my_token_scale = thread_in_wg < kN ? __ldcg(sfa + (int64_t)kb * p.pool_capacity + thread_in_wg) : 0.f;
+    mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
+    named_barrier_sync(kL1StagingBarrierId + wg, 128);
+    if (thread_in_wg < kN) token_scales[thread_in_wg] = my_token_scale;
+    stage_l1_tokens<kN>(sv.a(ps.stage), staging, thread_in_wg);
+    cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // staging stores -> WGMMA reads
+    named_barrier_sync(kL1StagingBarrierId + wg, 128);
+    const uint64_t desc_tokens = make_smem_desc(staging);
+    const uint32_t b_stage = static_cast<uint32_t>(__cvta_generic_to_shared(sv.b(ps.stage)));
+#pragma unroll
+    for (int i = 0; i < Cfg::kSwapSubTiles; ++i) {
+      // One sub-tile's fragments at a time keeps the registers of the BLOCK_M 64 tier in budget.
+      uint32_t a[kSlices][4];
+#pragma unroll
+      for (int s2 = 0; s2 < kSlices / 2; ++s2) {
+        uint32_t raw[4];  // FP8 weights of slices 2 s2 (rows r0, r0 + 8), 2 s2 + 1 (rows r0, r0 + 8)
+        ldmatrix_x4(b_stage + (ld_row + 64 * i) * 128 + (((2 * s2 + ld_slice) ^ (lane % 8)) * 16), raw);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t row0 = raw[2 * h], row8 = raw[2 * h + 1];
+          a[2 * s2 + h][0] = e4m3x2_to_f16x2(row0);
+          a[2 * s2 + h][1] = e4m3x2_to_f16x2(row8);
+          a[2 * s2 + h][2] = e4m3x2_to_f16x2(row0 >> 16);
+          a[2 * s2 + h][3] = e4m3x2_to_f16x2(row8 >> 16);
+        }
+      }
+      if (i == Cfg::kSwapSubTiles - 1) {  // the stage's data now lives in registers and the staging tile
+        __syncwarp();
+        if (lane == 0) cuda::ptx::mbarrier_arrive(&empty[ps.stage]);
+      }
+      fence_operands<kFrag>(part);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int s = 0; s < kSlices; ++s)
+        // slice s: K atom s / 4, +32 bytes per slice inside it (+2 in the address field)
+        wgmma_rs_call<Op>(a[s], desc_tokens + (s / 4) * ((kN * 128) >> 4) + 2 * (s % 4), part, s > 0,
+                          std::make_integer_sequence<int, kFrag>{});
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_operands<kFrag>(part);
+      for_each_fragment_col<kChunks>([&](int c, int j) {
+        const float sa = token_scales[fc.col(c, j)];
+        acc[i * kFrag + 4 * c + j] += part[4 * c + j] * (sa * sb.x);
+        acc[i * kFrag + 4 * c + 2 + j] += part[4 * c + 2 + j] * (sa * sb.y);
+      });
+    }
     ps.advance<Cfg::kNumStages>();
   }
 }

@@ -3,8 +3,8 @@
 // Roles (warp -> role):
 //   warps 0-3  (warpgroup 0)  dispatch / combine worker; warp 0's elected lane is the
 //                             TMA producer during the GEMM phases
-//   warps 4-7  (warpgroup 1)  math: WGMMA columns [0, 128) of each 256-column tile, epilogues
-//   warps 8-11 (warpgroup 2)  math: columns [128, 256)
+//   warps 4-7  (warpgroup 1)  math: WGMMA on weight rows [0, 128) of each 256-row tile, epilogues
+//   warps 8-11 (warpgroup 2)  math: weight rows [128, 256)
 //   All warps take part in dispatch, pull and combine.
 //
 // Phases of one call (barrier between each; every wait bounded, see sync.cuh):
@@ -18,7 +18,8 @@
 // This first version separates the phases by barriers; overlapping them (arrival
 // counters, L2 trailing L1) is the performance issue's work.
 //
-// Named barriers: 0 = __syncthreads, 1 = math warpgroups' amax exchange.
+// Named barriers: 0 = __syncthreads, 1 = math warpgroups' amax exchange, 2 + w = math
+// warpgroup w's L1 token staging.
 // mbarriers: full[s] / empty[s] per pipeline stage (gemm.cuh).
 #pragma once
 
@@ -60,7 +61,7 @@ __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base,
         const float s = in_range ? __ldg(sb + kb) : 0.f;
         return make_float2(s, s);
       };
-      if constexpr (Cfg::kSwapAB) {
+      if constexpr (Cfg::kL2SwapAB) {
         mma_tile_swap<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
         l2_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc);
       } else {
@@ -71,13 +72,8 @@ __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base,
       // w13_scale [E_l, I/128, 2 (gate, up), H/128]: the tile's n-block is the requant group.
       const float* sb = p.w13_scale + ((int64_t)t.expert * (Cfg::kInter / 128) + t.n_block) * 2 * Cfg::kL1NumKBlocks;
       const auto weight_scales = [&](int kb) { return make_float2(__ldg(sb + kb), __ldg(sb + Cfg::kL1NumKBlocks + kb)); };
-      if constexpr (Cfg::kSwapAB) {
-        mma_tile_swap<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
-        l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
-      } else {
-        mma_tile<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
-        l1_epilogue<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
-      }
+      mma_tile_l1<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
+      l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
       parity ^= 1;
     }
   }
@@ -95,7 +91,8 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   float* amax_exchange = reinterpret_cast<float*>(smem + Cfg::kSmemAmax);
   int* table_base = reinterpret_cast<int*>(smem + Cfg::kSmemTables);
   const ExpertTables tables{table_base, table_base + Cfg::kNumLocalExperts, table_base + 2 * Cfg::kNumLocalExperts};
-  const StageView<Cfg> sv{smem + Cfg::kSmemStages};
+  const StageView<Cfg> sv{smem + Cfg::kSmemStages, smem + Cfg::kSmemStaging,
+                          reinterpret_cast<float*>(smem + Cfg::kSmemTokenScales)};
   int* scratch = reinterpret_cast<int*>(sv.stages);  // dispatch phases only
 
   uint8_t* base = p.peer_base[p.rank];
