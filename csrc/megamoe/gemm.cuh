@@ -276,10 +276,12 @@ __device__ __forceinline__ void wgmma_rs_call(const uint32_t (&a)[4], uint64_t d
           accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
-// Two e4m3 (low, high byte of a 16-bit word) -> FP16x2 (low half = low byte).
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xFFFFu), __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+// Four e4m3 (bytes 0-3 of w) -> FP16x2 of bytes 0, 1 (lo) and of bytes 2, 3 (hi). The
+// halves go to the conversion as 16-bit register halves, which saves a shift per pair.
+__device__ __forceinline__ void e4m3x4_to_f16x2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t smem_addr, uint32_t (&d)[4]) {
@@ -299,10 +301,7 @@ __device__ __forceinline__ void stage_l1_tokens(const uint8_t* src, uint8_t* dst
     const uint32_t in[4] = {v.x, v.y, v.z, v.w};
     uint32_t out[8];  // out[g]: slots 2g, 2g + 1 (K 4g, 4g + 1); out[4 + g]: slots 8 + 2g, 9 + 2g
 #pragma unroll
-    for (int g = 0; g < 4; ++g) {
-      out[g] = e4m3x2_to_f16x2(in[g]);
-      out[4 + g] = e4m3x2_to_f16x2(in[g] >> 16);
-    }
+    for (int g = 0; g < 4; ++g) e4m3x4_to_f16x2x2(in[g], out[g], out[4 + g]);
     uint8_t* row = dst + (c / 4) * kN * 128 + r * 128;
     const int c8 = 2 * (c % 4);  // the slice's two 16-byte FP16 chunks in its K atom
     *reinterpret_cast<uint4*>(row + ((c8 ^ (r & 7)) * 16)) = make_uint4(out[0], out[1], out[2], out[3]);
@@ -315,16 +314,19 @@ constexpr int kL1StagingBarrierId = 2;  // + warpgroup index
 // L1 main loop of one math warpgroup, every tier. Accumulator layout and scale contract as
 // mma_tile_swap: acc[i][4c + {0,1}] = weight row 64i + r0 (gate), acc[i][4c + {2,3}] = row
 // 64i + r0 + 8 (up), tokens 8c + 2q + {0,1}; `weight_scales(kb)` .x gate, .y up.
-// Per k-block: stage the tokens in FP16, then per sub-tile load and convert its FP8 weight
-// fragments, run 8 m64nBLOCK_Mk16 WGMMAs into a fresh accumulator and promote it; the stage
-// goes back to the producer once the last sub-tile's fragments are in registers.
+// Per k-block: stage the tokens in FP16, then four quarters (sub-tile i, slices 4hh ..
+// 4hh + 3): load and convert a quarter's FP8 weight fragments while the WGMMAs of the one
+// before run (two fragment slots), 4 m64nBLOCK_Mk16 WGMMAs per quarter into the sub-tile's
+// fresh accumulator, promoted once both of its quarters are done. The stage goes back to the
+// producer once the last quarter's fragments are in registers.
 // Named barrier 2 + wg: before staging (the previous k-block's WGMMAs and promotions of all
 // four warps are done with the staging tile and token scales) and after it (both complete).
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ void mma_tile_l1(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                             uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
                                             const float* sfa, float* acc, WeightScales weight_scales) {
-  constexpr int kN = Cfg::kBlockM, kFrag = kN / 2, kChunks = kN / 8, kSlices = Cfg::kBlockK / 16;
+  static_assert(Cfg::kSwapSubTiles == 2 && Cfg::kBlockK == 128, "four quarters of 4 K slices per k-block");
+  constexpr int kN = Cfg::kBlockM, kFrag = kN / 2, kChunks = kN / 8;
   using Op = typename L1Wgmma<kN>::Op;
   const int thread_in_wg = threadIdx.x % 128, lane = threadIdx.x % 32;
   uint8_t* staging = sv.staging + wg * Cfg::kStagingBytesPerWg;
@@ -333,7 +335,41 @@ __device__ __forceinline__ void mma_tile_l1(const KernelParams& p, const StageVi
   // slice s), (rows 8-15, s), (rows 0-7, s + 1), (rows 8-15, s + 1) of the warp's 16 rows.
   const int ld_row = wg * Cfg::kWgN + (thread_in_wg / 32) * 16 + lane % 8 + 8 * ((lane / 8) % 2);
   const int ld_slice = lane / 16;
+  const uint64_t desc_tokens = make_smem_desc(staging);
   float part[kFrag];
+  uint32_t frag[2][4][4];  // two quarters' A fragments: [slot][slice in quarter][register]
+
+  // FP8 weights of sub-tile i, slices 4hh .. 4hh + 3 -> FP16 A fragments in the permuted K order.
+  const auto load_quarter = [&](uint32_t b_stage, int i, int hh, uint32_t (&a)[4][4]) {
+#pragma unroll
+    for (int s2 = 0; s2 < 2; ++s2) {
+      uint32_t raw[4];  // slices 4hh + 2s2 (rows r0, r0 + 8), 4hh + 2s2 + 1 (rows r0, r0 + 8)
+      ldmatrix_x4(b_stage + (ld_row + 64 * i) * 128 + (((4 * hh + 2 * s2 + ld_slice) ^ (lane % 8)) * 16), raw);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        e4m3x4_to_f16x2x2(raw[2 * h], a[2 * s2 + h][0], a[2 * s2 + h][2]);
+        e4m3x4_to_f16x2x2(raw[2 * h + 1], a[2 * s2 + h][1], a[2 * s2 + h][3]);
+      }
+    }
+  };
+  const auto issue_quarter = [&](const uint32_t (&a)[4][4], int hh) {
+    cute::warpgroup_arrive();  // orders the fragment (and accumulator) writes before the WGMMAs
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int slice = 4 * hh + s;  // K atom slice / 4, +32 bytes per slice inside it (+2 in the address field)
+      wgmma_rs_call<Op>(a[s], desc_tokens + (slice / 4) * ((kN * 128) >> 4) + 2 * (slice % 4), part,
+                        hh > 0 || s > 0, std::make_integer_sequence<int, kFrag>{});
+    }
+    cute::warpgroup_commit_batch();
+  };
+  const auto promote = [&](int i, float2 sb) {
+    for_each_fragment_col<kChunks>([&](int c, int j) {
+      const float sa = token_scales[fc.col(c, j)];
+      acc[i * kFrag + 4 * c + j] += part[4 * c + j] * (sa * sb.x);
+      acc[i * kFrag + 4 * c + 2 + j] += part[4 * c + 2 + j] * (sa * sb.y);
+    });
+  };
+
 #pragma unroll
   for (int i = 0; i < Cfg::kAccFloats; ++i) acc[i] = 0.f;
   for (int kb = 0; kb < kNumKBlocks; ++kb) {
@@ -346,45 +382,26 @@ __device__ __forceinline__ void mma_tile_l1(const KernelParams& p, const StageVi
     stage_l1_tokens<kN>(sv.a(ps.stage), staging, thread_in_wg);
     cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // staging stores -> WGMMA reads
     named_barrier_sync(kL1StagingBarrierId + wg, 128);
-    const uint64_t desc_tokens = make_smem_desc(staging);
     const uint32_t b_stage = static_cast<uint32_t>(__cvta_generic_to_shared(sv.b(ps.stage)));
-#pragma unroll
-    for (int i = 0; i < Cfg::kSwapSubTiles; ++i) {
-      // One sub-tile's fragments at a time keeps the registers of the BLOCK_M 64 tier in budget.
-      uint32_t a[kSlices][4];
-#pragma unroll
-      for (int s2 = 0; s2 < kSlices / 2; ++s2) {
-        uint32_t raw[4];  // FP8 weights of slices 2 s2 (rows r0, r0 + 8), 2 s2 + 1 (rows r0, r0 + 8)
-        ldmatrix_x4(b_stage + (ld_row + 64 * i) * 128 + (((2 * s2 + ld_slice) ^ (lane % 8)) * 16), raw);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t row0 = raw[2 * h], row8 = raw[2 * h + 1];
-          a[2 * s2 + h][0] = e4m3x2_to_f16x2(row0);
-          a[2 * s2 + h][1] = e4m3x2_to_f16x2(row8);
-          a[2 * s2 + h][2] = e4m3x2_to_f16x2(row0 >> 16);
-          a[2 * s2 + h][3] = e4m3x2_to_f16x2(row8 >> 16);
-        }
-      }
-      if (i == Cfg::kSwapSubTiles - 1) {  // the stage's data now lives in registers and the staging tile
-        __syncwarp();
-        if (lane == 0) cuda::ptx::mbarrier_arrive(&empty[ps.stage]);
-      }
-      fence_operands<kFrag>(part);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int s = 0; s < kSlices; ++s)
-        // slice s: K atom s / 4, +32 bytes per slice inside it (+2 in the address field)
-        wgmma_rs_call<Op>(a[s], desc_tokens + (s / 4) * ((kN * 128) >> 4) + 2 * (s % 4), part, s > 0,
-                          std::make_integer_sequence<int, kFrag>{});
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      fence_operands<kFrag>(part);
-      for_each_fragment_col<kChunks>([&](int c, int j) {
-        const float sa = token_scales[fc.col(c, j)];
-        acc[i * kFrag + 4 * c + j] += part[4 * c + j] * (sa * sb.x);
-        acc[i * kFrag + 4 * c + 2 + j] += part[4 * c + 2 + j] * (sa * sb.y);
-      });
-    }
+
+    load_quarter(b_stage, 0, 0, frag[0]);
+    fence_operands<kFrag>(part);
+    issue_quarter(frag[0], 0);
+    load_quarter(b_stage, 0, 1, frag[1]);  // under sub-tile 0's first WGMMAs
+    issue_quarter(frag[1], 1);
+    cute::warpgroup_wait<1>();  // slot 0 free
+    load_quarter(b_stage, 1, 0, frag[0]);  // under sub-tile 0's last WGMMAs
+    cute::warpgroup_wait<0>();
+    fence_operands<kFrag>(part);
+    promote(0, sb);
+    issue_quarter(frag[0], 0);
+    load_quarter(b_stage, 1, 1, frag[1]);  // under sub-tile 1's first WGMMAs
+    __syncwarp();
+    if (lane == 0) cuda::ptx::mbarrier_arrive(&empty[ps.stage]);  // the stage now lives in registers and staging
+    issue_quarter(frag[1], 1);
+    cute::warpgroup_wait<0>();
+    fence_operands<kFrag>(part);
+    promote(1, sb);
     ps.advance<Cfg::kNumStages>();
   }
 }
