@@ -23,18 +23,18 @@ from typing import Optional, Sequence
 # columns; BLOCK_K is the 128-wide FP8 scale block of both activations and weights.
 BLOCK_N = 256
 BLOCK_K = 128
-# Every BLOCK_M tier the kernel design has; the ones the kernel implements (tiers below 64
-# are swap-AB: tokens on the WGMMA N side, csrc/megamoe/config.cuh); and the ones the
-# heuristics pick by themselves. A tier joins SUPPORTED_BLOCK_M once measurements show
-# where it wins (docs/results); until then the others run only when forced
-# (MEGAMOE_BLOCK_M, ops.select_variant) or named by a tuned config table. As of
-# 2026-11-30 the swap-AB tiers compile (jit --check) and have GPU tests
-# (tests/gpu/test_swap_tiers.py) that have not run yet.
+# Every BLOCK_M tier the kernel design has; the ones the kernel implements (L1 is swap-AB
+# in every tier, L2 below 64: tokens on the WGMMA N side, csrc/megamoe/config.cuh); and the
+# ones the heuristics pick by themselves. A tier joins SUPPORTED_BLOCK_M once measurements
+# show where it wins (docs/results round 7: on H200, v4flash and v3 with 32 local experts);
+# the others run only when forced (MEGAMOE_BLOCK_M, ops.select_variant) or named by a tuned
+# config table.
 BLOCK_M_TIERS = (8, 16, 32, 64, 128)
 IMPLEMENTED_BLOCK_M = (8, 16, 32, 64)
-SUPPORTED_BLOCK_M = (64,)
+SUPPORTED_BLOCK_M = (8, 16, 32, 64)
 # (largest expected tokens per expert, preferred tier); above the last bound the largest tier.
-_TIER_UPPER_BOUNDS = ((4.0, 8), (8.0, 16), (16.0, 32), (64.0, 64))
+# Round 7: 8 won up to 2 rows per expert, 16 at 6-8, 32 at 24 (v4flash), 64 at 32 (v3).
+_TIER_UPPER_BOUNDS = ((4.0, 8), (8.0, 16), (24.0, 32), (64.0, 64))
 
 # Opt-in dynamic shared memory per block on SM90 (227 KiB).
 SMEM_LIMIT = 232448

@@ -57,20 +57,20 @@ def test_expected_tokens_per_expert_rejects(args, name):
 
 def test_select_block_m_preferred_tiers():
     all_tiers = BLOCK_M_TIERS
-    assert [select_block_m(x, all_tiers) for x in (0, 4, 4.5, 8, 8.5, 16, 16.5, 64, 64.5, 8192)] == \
+    assert [select_block_m(x, all_tiers) for x in (0, 4, 4.5, 8, 8.5, 24, 24.5, 64, 64.5, 8192)] == \
         [8, 8, 16, 16, 32, 32, 64, 64, 128, 128]
 
 
 def test_select_block_m_nearest_supported():
     assert all(select_block_m(x, (64,)) == 64 for x in (0, 16, 64, 1e6))
-    assert [select_block_m(x, (32, 128)) for x in (16, 17, 64, 65)] == [32, 128, 128, 128]  # 64 wanted: tie -> larger
+    assert [select_block_m(x, (32, 128)) for x in (24, 25, 64, 65)] == [32, 128, 128, 128]  # 64 wanted: tie -> larger
     assert [select_block_m(x, (64, 128)) for x in (0, 64, 65)] == [64, 64, 128]
     assert [select_block_m(x, (32,)) for x in (0, 1e6)] == [32, 32]
 
 
 def test_select_block_m_defaults_to_implemented_tiers():
-    assert SUPPORTED_BLOCK_M == (64,)
-    assert select_block_m(0) == select_block_m(1e6) == 64
+    assert SUPPORTED_BLOCK_M == (8, 16, 32, 64)
+    assert (select_block_m(0), select_block_m(6), select_block_m(24), select_block_m(1e6)) == (8, 16, 32, 64)
 
 
 def test_select_block_m_supported_and_monotone():

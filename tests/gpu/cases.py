@@ -45,8 +45,20 @@ SWAP_SHAPES = [
 ]
 
 
+def call_variants(num_ranks, num_experts, topk, hidden, inter, max_tokens, num_sms, fast_maths=(True, False)):
+    """Every variant a call with 0..max_tokens tokens per rank can select on an H200
+    (ops.select_variant: the shipped table, else the heuristic)."""
+    from megamoe_plugin.configs import lookup_config
+    from megamoe_plugin.jit import KernelVariant
+
+    configs = {lookup_config("NVIDIA H200", num_ranks, num_experts, topk, hidden, inter, n, num_sms)
+               for n in range(max_tokens + 1)}
+    return [KernelVariant(hidden, inter, topk, num_experts, num_ranks, cfg.block_m, cfg.num_stages, fast_math)
+            for cfg in sorted(configs, key=lambda c: c.block_m) for fast_math in fast_maths]
+
+
 def variants():
-    from megamoe_plugin.heuristics import default_config, default_num_stages
+    from megamoe_plugin.heuristics import default_num_stages
     from megamoe_plugin.jit import KernelVariant
 
     from .multi_rank import MULTI_RANK_SHAPES
@@ -54,13 +66,11 @@ def variants():
     out = []
     for hidden, inter, topk, local_experts, max_tokens, _ in MULTI_RANK_SHAPES:
         for num_ranks in (2, 4):
-            cfg = default_config(num_ranks, local_experts * num_ranks, topk, hidden, inter, max_tokens, 132 // num_ranks)
-            out.append(KernelVariant(hidden, inter, topk, local_experts * num_ranks, num_ranks, cfg.block_m,
-                                     cfg.num_stages, True))
+            out += call_variants(num_ranks, local_experts * num_ranks, topk, hidden, inter, max_tokens,
+                                 132 // num_ranks, (True,))
     # benchmarks/bench_kernel.py under torchrun on two GPUs (32 local experts per rank).
     for hidden, inter, topk in ((7168, 2048, 8), (4096, 2048, 6)):
-        cfg = default_config(2, 64, topk, hidden, inter, 8192, 132)
-        out.append(KernelVariant(hidden, inter, topk, 64, 2, cfg.block_m, cfg.num_stages, True))
+        out += call_variants(2, 64, topk, hidden, inter, 8192, 132, (True,))
     for s in SWAP_SHAPES:
         for block_m in SWAP_TIERS:
             for fast_math in (True, False):
@@ -68,11 +78,9 @@ def variants():
                 out.append(KernelVariant(s.hidden, s.intermediate, s.topk, s.local_experts, 1, block_m, stages,
                                          fast_math))
     for s in SHAPES:
-        cfg = default_config(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132)
-        for fast_math in (True, False):
-            out.append(KernelVariant(s.hidden, s.intermediate, s.topk, s.local_experts, 1, cfg.block_m,
-                                     cfg.num_stages, fast_math))
-    return out
+        out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132)
+    out += call_variants(2, 8, 2, 384, 256, 16, 132 // 2, (True,))  # tests/gpu/test_timeout.py
+    return list(dict.fromkeys(out))
 
 
 if __name__ == "__main__":

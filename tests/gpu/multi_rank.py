@@ -50,7 +50,8 @@ def run_local(num_ranks, shape, seed=0):
         torch.cuda.synchronize()
         for r in range(num_ranks):  # all launched before any wait: the kernels must overlap
             with torch.cuda.stream(streams[r]):
-                mm.fp8_mega_moe(ys[r], layers[r].l1, layers[r].l2, bufs[r])
+                # every rank picks its kernel by the same token count, as vLLM's DP padding does
+                mm.fp8_mega_moe(ys[r], layers[r].l1, layers[r].l2, bufs[r], config_num_tokens=tokens)
         mm.ops.synchronize()
         refs = reference_outputs(inputs, layers, local_experts * num_ranks)
         for r in range(num_ranks):
@@ -86,7 +87,7 @@ def main_distributed():
             dist.barrier()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            mm.fp8_mega_moe(y, layers[rank].l1, layers[rank].l2, buf)
+            mm.fp8_mega_moe(y, layers[rank].l1, layers[rank].l2, buf, config_num_tokens=tokens)
             end.record()
             mm.ops.synchronize()
             ref = reference_outputs(inputs, layers, local_experts * world)[rank]
