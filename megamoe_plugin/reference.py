@@ -221,6 +221,17 @@ def calc_diff(y: torch.Tensor, ref: torch.Tensor) -> float:
     return 1.0 - 2.0 * float((y64 * ref64).sum()) / denominator
 
 
+def error_summary(y: torch.Tensor, ref: torch.Tensor, max_token_rel: float = 1e-2) -> str:
+    """One line on how far y is from ref: calc_diff, and the 99th percentile and maximum
+    of the per-token relative L2 error with how many tokens exceed max_token_rel (the
+    numerics tools in tools/ print it)."""
+    y64, ref64 = y.double(), ref.double()
+    rel = (y64 - ref64).norm(dim=1) / ref64.norm(dim=1)
+    return (f"calc_diff {calc_diff(y64, ref64):.2e}, per-token p99 {float(rel.quantile(0.99)):.2e} "
+            f"max {float(rel.max()):.2e}, {int((rel > max_token_rel).sum())} of {y.shape[0]} tokens over "
+            f"{max_token_rel:.0e}")
+
+
 def check_close(y: torch.Tensor, ref: torch.Tensor, max_diff: float = 2e-4, max_token_rel: float = 1e-2) -> None:
     """Assert that y matches ref: calc_diff <= max_diff and, for every token (row of the
     first dim), ||y_t - ref_t|| / ||ref_t|| <= max_token_rel. A token whose reference row

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import megamoe_plugin.fp8 as fp8
-from megamoe_plugin.reference import calc_diff, check_close, mega_moe
+from megamoe_plugin.reference import calc_diff, check_close, error_summary, mega_moe
 
 FP8_ROUNDING_MARGIN = 1e-6
 
@@ -325,6 +325,16 @@ def test_calc_diff():
     assert calc_diff(torch.zeros_like(y), y) == pytest.approx(1.0)
     assert calc_diff(y.bfloat16(), y) < 1e-4
     assert math.isnan(calc_diff(torch.full_like(y, math.nan), y))
+
+
+def test_error_summary_counts_tokens_over_the_bound():
+    ref = torch.ones(4, 100)
+    y = ref.clone()
+    y[1, 0] += 0.5  # relative L2 error 0.05
+    y[2, 0] += 0.05  # 0.005
+    line = error_summary(y, ref)
+    assert "max 5.00e-02" in line and line.endswith("1 of 4 tokens over 1e-02")
+    assert error_summary(y, ref, max_token_rel=1e-3).endswith("2 of 4 tokens over 1e-03")
 
 
 def test_check_close_accepts_and_rejects_precisely():
