@@ -11,6 +11,7 @@ spills, stack frame and shared memory; it exits non-zero on a spill or compile e
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional, Union
 
 from .paths import CSRC_DIR
 
@@ -168,6 +169,28 @@ def compile_variant(variant: KernelVariant, verbose: bool = False) -> CompiledKe
     return CompiledKernel(variant, cubin, log_path.read_text())
 
 
+def compile_variants(variants: List[KernelVariant], verbose: bool = False,
+                     on_done: Optional[Callable[[KernelVariant], None]] = None
+                     ) -> List[Union[CompiledKernel, RuntimeError]]:
+    """compile_variant for each variant, one nvcc process per CPU at a time (a model with
+    several tiers needs several variants at start-up). Results in the order of `variants`;
+    a variant that fails to compile gives its RuntimeError instead. `on_done(variant)` runs
+    as each finishes, for progress."""
+    def one(variant: KernelVariant) -> Union[CompiledKernel, RuntimeError]:
+        try:
+            return compile_variant(variant, verbose)
+        except RuntimeError as exc:
+            return exc
+        finally:
+            if on_done is not None:
+                on_done(variant)
+
+    if len(variants) <= 1:
+        return [one(v) for v in variants]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(variants), os.cpu_count() or 1)) as pool:
+        return list(pool.map(one, variants))
+
+
 @dataclasses.dataclass
 class ResourceUsage:
     registers: int
@@ -196,12 +219,10 @@ def check_variants(variants: List[KernelVariant]) -> int:
     """Compiles `variants`, prints a resource table; returns the number of failures."""
     failures = 0
     print(f"{'variant':58s} {'regs':>5s} {'spill':>6s} {'stack':>6s} {'smem':>7s}  status")
-    for variant in variants:
-        try:
-            compiled = compile_variant(variant)
-        except RuntimeError as exc:
+    for variant, compiled in zip(variants, compile_variants(variants)):
+        if isinstance(compiled, RuntimeError):
             failures += 1
-            print(f"{variant.name():58s} compile error\n{exc}")
+            print(f"{variant.name():58s} compile error\n{compiled}")
             continue
         usage = parse_ptxas(compiled.ptxas_log)
         spills = usage.spill_stores + usage.spill_loads

@@ -16,7 +16,7 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 
 from .buffer import SymmBuffer
-from .jit import NUM_THREADS, KERNEL_NAME, KernelVariant, compile_variant
+from .jit import NUM_THREADS, KERNEL_NAME, KernelVariant, compile_variant, compile_variants
 
 WeightPair = Tuple[torch.Tensor, torch.Tensor]
 
@@ -247,8 +247,8 @@ def _params_handle(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, block_m: int
 
 def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Iterable[int],
            fast_math: bool = True) -> int:
-    """Compiles and loads every kernel variant the given token counts select (call it
-    before CUDA-graph capture). Returns how many distinct variants that is."""
+    """Compiles (several at once) and loads every kernel variant the given token counts
+    select (call it before CUDA-graph capture). Returns how many distinct variants that is."""
     _require_sm90(buf.device)
     variants = []
     for n in num_tokens_list:
@@ -257,10 +257,17 @@ def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Ite
             variants.append(v)
     try:
         from tqdm import tqdm
-        iterator = tqdm(variants, desc="megamoe: compiling kernels", unit="variant")
+        progress = tqdm(total=len(variants), desc="megamoe: compiling kernels", unit="variant")
     except ImportError:
-        iterator = variants
-    for v in iterator:
+        progress = None
+    missing = [v for v in variants if (buf.device.index, v) not in _kernels]
+    for compiled in compile_variants(missing, on_done=None if progress is None else lambda v: progress.update()):
+        if isinstance(compiled, RuntimeError):
+            raise compiled
+    if progress is not None:
+        progress.update(len(variants) - len(missing))
+        progress.close()
+    for v in variants:  # cached cubins now: loading them is quick
         _kernel_handle(buf.device, v)
         _params_handle(buf, tuple(l1), tuple(l2), v.block_m)
     return len(variants)

@@ -44,3 +44,32 @@ def test_concurrent_compiles_of_one_variant_agree(tmp_path):
     assert len(paths) == 1
     assert os.path.getsize(paths.pop()) > 0
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".build_")]
+
+
+def test_compile_variants_keeps_order_runs_at_once_and_returns_errors(monkeypatch):
+    """compile_variants overlaps the compiles (start-up with several tiers), keeps the
+    order of its input and hands back a failed compile's error in its place."""
+    import threading
+    import time
+
+    variants = [jit.KernelVariant(384, 256, 2, 4, 1, bm, 2, True) for bm in (8, 16, 32, 64)]
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def fake_compile(variant, verbose=False):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        if variant.block_m == 16:
+            raise RuntimeError("nvcc failed")
+        return variant.block_m
+
+    monkeypatch.setattr(jit, "compile_variant", fake_compile)
+    monkeypatch.setattr(jit.os, "cpu_count", lambda: 4)
+    done = []
+    results = jit.compile_variants(variants, on_done=done.append)
+    assert [r if not isinstance(r, RuntimeError) else "error" for r in results] == [8, "error", 32, 64]
+    assert sorted(v.block_m for v in done) == [8, 16, 32, 64]
+    assert peak[0] > 1

@@ -59,3 +59,13 @@ def test_cuda_graph_replay(setup):
         graph.replay()
         mm.ops.synchronize()
         check_close(y, reference_outputs([inputs], [layer], s.local_experts)[0])
+
+
+def test_warmup_loads_every_variant_the_token_counts_select(setup):
+    """ops.warmup (run by the vLLM glue before graph capture) compiles the selected variants
+    at once and loads each: afterwards no call in that range compiles or loads."""
+    s, layer, buf = setup
+    counts = range(s.max_tokens + 1)
+    expected = {mm.ops.select_variant(buf, n, True) for n in counts}
+    assert mm.ops.warmup(buf, layer.l1, layer.l2, counts) == len(expected)
+    assert all((buf.device.index, v) in mm.ops._kernels for v in expected)
