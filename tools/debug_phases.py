@@ -29,7 +29,6 @@ def main():
     idx = inputs["topk_idx"]
     counts = torch.bincount(idx[idx >= 0], minlength=E)
     starts = torch.cumsum(counts, 0) - counts
-    P = buf.shape.pool_capacity
 
     for phase in [int(p) for p in args.phases.split(",")]:
         for name in ("send_count", "send_cursor"):
