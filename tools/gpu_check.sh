@@ -3,7 +3,8 @@
 # Usage (device tool, carry [".jitcache", ".whl"]): bash tools/gpu_check.sh [pytest args...]
 # Env: BENCH_ARGS (passed to benchmarks/bench_kernel.py; BENCH=0 skips it), TEST=0 skips tests,
 #      PHASES=1 adds tools/phase_times.py (PHASES_ARGS), NCU=1 adds an Nsight Compute report of
-#      one config (NCU_ARGS, default "--configs v4flash --tokens 1"), per phase.
+#      one config (NCU_ARGS, default "--configs v4flash --tokens 1"), per phase. SANITIZER=1 adds
+#      compute-sanitizer memcheck and racecheck of every BLOCK_M tier on a small shape.
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # MEGAMOE_CACHE_DIR and WHEELS default to this tree's .jitcache and .whl; set them to run
@@ -33,6 +34,16 @@ if [ "${NCU:-0}" != 0 ]; then
       python3 tools/phase_times.py ${NCU_ARGS:---configs v4flash --tokens 1} --iters 1 --profile > "$OUT/ncu.log" 2>&1
   ncu --import "$OUT/profile.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
   tail -5 "$OUT/ncu.log"; grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)" "$OUT/ncu_details.txt"
+fi
+if [ "${SANITIZER:-0}" != 0 ]; then
+  for tool in memcheck racecheck; do
+    for bm in 8 16 32 64; do  # the sanitizer slows the kernel far past the default wait bound
+      MEGAMOE_BLOCK_M=$bm MEGAMOE_TIMEOUT_S=300 timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool $tool \
+          --error-exitcode 1 python3 tools/debug_phases.py 384 256 4 4 16 --phases 0 > "$OUT/sanitizer_${tool}_bm$bm.txt" 2>&1
+      echo "compute-sanitizer $tool BLOCK_M $bm: exit $? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer_${tool}_bm$bm.txt" | tail -1)"
+    done
+  done | tee "$OUT/sanitizer.txt"
+  grep -q "exit 0" "$OUT/sanitizer.txt" && ! grep -qv "exit 0" "$OUT/sanitizer.txt" || rc=1
 fi
 ls "$MEGAMOE_CACHE_DIR" | grep -v "^\." | sort > "$OUT/jitcache_after.txt"
 exit $rc
