@@ -43,7 +43,7 @@ _FP8_BYTES = 1
 _F16_BYTES = 2
 _F32_BYTES = 4
 _I32_BYTES = 4
-# The kernel's per-local-expert tables: two int32 words per local expert.
+# The kernel's per-local-expert tables: three int32 words per local expert (plus one).
 _EXPERT_TABLE_WORDS = 3  # exp_start, exp_count, m-block prefix
 _BARRIER_SCRATCH_BYTES = 1024
 _BASE_ALIGN_BYTES = 1024
@@ -128,7 +128,8 @@ def smem_bytes(block_m: int, num_stages: int, num_local_experts: int) -> int:
     stage's tiles stay aligned for the TMA swizzle) plus the fixed part: 1024 bytes of
     mbarriers, the cross-warp amax exchange (double-buffered, 2 * 8 * block_m float32),
     3 int32 tables per local expert, each math warpgroup's L1 token scales (block_m float32)
-    and FP16 copy of the L1 token tile (block_m * 128 * 2 bytes), and 1024 bytes of slack to align the dynamic shared memory base.
+    and FP16 copy of the L1 token tile (block_m * 128 * 2 bytes), and 1024 bytes of slack
+    to align the dynamic shared memory base.
     """
     _check_tier(block_m)
     _check_local_experts(num_local_experts)

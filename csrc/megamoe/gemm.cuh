@@ -152,7 +152,7 @@ __device__ __forceinline__ void for_each_fragment_col(F&& f) {
 // One math warpgroup's main loop over a tile: acc = sum_kb sa[row] * sb(col, kb) * (A_kb @ B_kb^T).
 // `sfa` points at the tile's first row in an MN-major scale pool ([k-block][pool row]).
 // `weight_scales(kb)` gives the weight block scales at k-block kb: .x for even 8-column
-// chunks, .y for odd ones (L1: gate and up rows of the interleaved block; L2: equal).
+// chunks, .y for odd ones (L2 passes the same scale in both).
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ void mma_tile(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                          uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
@@ -205,7 +205,7 @@ __device__ __forceinline__ void mma_tile(const KernelParams& p, const StageView<
 // side. acc[kSwapSubTiles][BLOCK_M / 2], fragment of sub-tile i: acc[i][4c + {0,1}] =
 // weight row 64i + r0, tokens 8c + 2q + {0,1}; acc[i][4c + {2,3}] = weight row 64i + r0 + 8.
 // Promotion scales: per token (sfa, MN-major like mma_tile) and per weight block
-// (`weight_scales(kb)`: .x for rows r0, .y for rows r0 + 8; L1: gate and up rows).
+// (`weight_scales(kb)`: .x for rows r0, .y for rows r0 + 8; L2 passes the same scale in both).
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                               uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
