@@ -17,10 +17,13 @@ import statistics
 import torch
 
 import megamoe_plugin as mm
+from megamoe_plugin.configs import REFERENCE_SHAPES
 from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer
 
-CONFIGS = {"v3": (7168, 2048, 8), "v4flash": (4096, 2048, 6), "qwen235": (4096, 1536, 8), "qwen30": (2048, 768, 8)}
+# DESIGN.md section 8's reference configs, (H, I, K); every one has 32 local experts per rank.
+CONFIGS = {name: (s.hidden, s.intermediate_size, s.num_topk) for name, s in REFERENCE_SHAPES.items()}
 LOCAL_EXPERTS = 32
+assert all(s.num_local_experts == LOCAL_EXPERTS for s in REFERENCE_SHAPES.values())
 
 
 def timed_seconds(fn, iters: int) -> float:

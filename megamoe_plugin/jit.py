@@ -237,15 +237,16 @@ def reference_variants() -> List[KernelVariant]:
     """Every variant the heuristics pick for DESIGN.md section 8's reference configs, and
     each implemented tier the heuristics do not pick yet (MEGAMOE_BLOCK_M, tuned tables)
     once per reference shape on one rank."""
+    from .configs import REFERENCE_SHAPES, REFERENCE_TOKENS_PER_RANK
     from .heuristics import IMPLEMENTED_BLOCK_M, SUPPORTED_BLOCK_M, default_config, default_num_stages
 
-    shapes = {"v3": (7168, 2048, 8), "v4flash": (4096, 2048, 6), "qwen235": (4096, 1536, 8), "qwen30": (2048, 768, 8)}
-    num_local_experts = 32
     variants = []
-    for hidden, inter, topk in shapes.values():
+    for shape in REFERENCE_SHAPES.values():
+        hidden, inter, topk, num_local_experts = (shape.hidden, shape.intermediate_size, shape.num_topk,
+                                                  shape.num_local_experts)
         for num_ranks in (1, 2):
             num_experts = num_local_experts * num_ranks
-            for tokens in (1, 8, 32, 128, 512, 2048, 8192):
+            for tokens in REFERENCE_TOKENS_PER_RANK:
                 cfg = default_config(num_ranks, num_experts, topk, hidden, inter, tokens, 132)
                 for fast_math in (True, False):
                     v = KernelVariant(hidden, inter, topk, num_experts, num_ranks, cfg.block_m, cfg.num_stages,

@@ -10,10 +10,8 @@ import torch
 
 import megamoe_plugin as mm
 from megamoe_plugin import reference
+from megamoe_plugin.configs import REFERENCE_SHAPES
 from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer, reference_outputs
-
-CONFIGS = {"v3": (7168, 2048, 8, 32), "v4flash": (4096, 2048, 6, 32), "qwen30": (2048, 768, 8, 32),
-           "qwen235": (4096, 1536, 8, 8)}
 
 
 def main():
@@ -24,7 +22,8 @@ def main():
     parser.add_argument("--no-fast-math", dest="fast_math", action="store_false")
     args = parser.parse_args()
     for name in args.configs.split(","):
-        hidden, inter, topk, experts = CONFIGS[name]
+        s = REFERENCE_SHAPES[name]
+        hidden, inter, topk, experts = s.hidden, s.intermediate_size, s.num_topk, s.num_local_experts
         for seed in range(args.seeds):
             gen = torch.Generator(device="cuda").manual_seed(100 + seed)
             layer = random_layer(experts, hidden, inter, "cuda", gen)
