@@ -117,7 +117,7 @@ __device__ __forceinline__ void l1_epilogue_swap(const KernelParams& p, uint8_t*
     for (int mask = 4; mask < 32; mask *= 2)
       amax[c][j] = fmaxf(amax[c][j], __shfl_xor_sync(0xffffffffu, amax[c][j], mask));
   });
-  float* mine = amax_exchange + (parity * 8 + math_warp) * kN;
+  float* mine = amax_exchange + (parity * Cfg::kAmaxSlots + math_warp) * kN;
   if (lane < 4) for_each_fragment_col<kChunks>([&](int c, int j) { mine[fc.col(c, j)] = amax[c][j]; });
   named_barrier_sync(kEpilogueBarrierId, Cfg::kNumMathThreads);
 
@@ -129,7 +129,7 @@ __device__ __forceinline__ void l1_epilogue_swap(const KernelParams& p, uint8_t*
     if (token >= valid_rows) return;
     float m = 0.f;
 #pragma unroll
-    for (int w8 = 0; w8 < 8; ++w8) m = fmaxf(m, amax_exchange[(parity * 8 + w8) * kN + token]);
+    for (int w = 0; w < Cfg::kAmaxSlots; ++w) m = fmaxf(m, amax_exchange[(parity * Cfg::kAmaxSlots + w) * kN + token]);
     const float scale = fmaxf(m, kScaleEps) / kFp8Max;
     const int row = row_base + token;
 #pragma unroll
