@@ -115,8 +115,8 @@ def _stage_bytes(block_m: int) -> int:
 def _fixed_bytes(block_m: int, num_local_experts: int) -> int:
     amax_exchange = 2 * 8 * block_m * _F32_BYTES  # [2 parities][8 math warps][block_m]
     expert_tables = (_EXPERT_TABLE_WORDS * num_local_experts + 1) * _I32_BYTES
-    l1_token_scales = 2 * block_m * _F32_BYTES  # per math warpgroup
-    l1_token_staging = 2 * block_m * BLOCK_K * _F16_BYTES  # per math warpgroup
+    l1_token_scales = 2 * block_m * _F32_BYTES  # per k-block parity
+    l1_token_staging = 2 * block_m * BLOCK_K * _F16_BYTES  # per k-block parity
     return (_align(_BARRIER_SCRATCH_BYTES + amax_exchange + expert_tables + l1_token_scales, STAGE_ALIGN)
             + l1_token_staging + _BASE_ALIGN_BYTES)
 
@@ -127,9 +127,9 @@ def smem_bytes(block_m: int, num_stages: int, num_local_experts: int) -> int:
     num_stages pipeline stages (A tile, B tile, padded to 1024 bytes so every
     stage's tiles stay aligned for the TMA swizzle) plus the fixed part: 1024 bytes of
     mbarriers, the cross-warp amax exchange (double-buffered, 2 * 8 * block_m float32),
-    3 int32 tables per local expert, each math warpgroup's L1 token scales (block_m float32)
-    and FP16 copy of the L1 token tile (block_m * 128 * 2 bytes), and 1024 bytes of slack
-    to align the dynamic shared memory base.
+    3 int32 tables per local expert, two (k-block parity) L1 token scale vectors (block_m
+    float32) and FP16 copies of the L1 token tile (block_m * 128 * 2 bytes), and 1024
+    bytes of slack to align the dynamic shared memory base.
     """
     _check_tier(block_m)
     _check_local_experts(num_local_experts)

@@ -50,19 +50,19 @@ struct KernelConfig {
 
   // Shared memory (bytes from a 1024-aligned base).
   static constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
-  static constexpr int kSmemBarriers = 0;  // full[kNumStages], empty[kNumStages]
+  static constexpr int kSmemBarriers = 0;  // full[kNumStages], empty[kNumStages], L1 tok_full[2], tok_empty[2]
   // L1 requant amax exchange, float [2 parities][8 math warps][BLOCK_M]
   static constexpr int kSmemAmax = 1024;
   static constexpr int kAmaxSlots = kNumMathThreads / 32;
   static constexpr int kSmemTables = kSmemAmax + 2 * kAmaxSlots * kBlockM * 4;
   // int32 exp_start[E_l], exp_count[E_l], mblk_prefix[E_l + 1]
-  // float [2 math warpgroups][BLOCK_M]: the L1 k-block's token scales
+  // float [2 k-block parities][BLOCK_M]: the L1 k-block's token scales
   static constexpr int kSmemTokenScales = kSmemTables + (3 * kNumLocalExperts + 1) * 4;
   static constexpr int kSmemStaging = align_up(kSmemTokenScales + 2 * kBlockM * 4, 1024);
-  // L1: each math warpgroup's FP16 copy of the stage's token tile (BLOCK_M x 128 K, two
-  // 64-wide K atoms of [BLOCK_M][128 B], 128B swizzle), the B operand of its FP16 WGMMAs.
-  static constexpr int kStagingBytesPerWg = kBlockM * kBlockK * 2;
-  static constexpr int kSmemStages = kSmemStaging + 2 * kStagingBytesPerWg;
+  // L1: the stage's token tile in FP16 (BLOCK_M x 128 K, two 64-wide K atoms of [BLOCK_M][128 B],
+  // 128B swizzle), the B operand of both math warpgroups' WGMMAs, one per k-block parity.
+  static constexpr int kL1TokenBytes = kBlockM * kBlockK * 2;
+  static constexpr int kSmemStages = kSmemStaging + 2 * kL1TokenBytes;
   static constexpr int kStageA = kBlockM * kBlockK;
   static constexpr int kStageB = kBlockN * kBlockK;
   static constexpr int kStageBytes = align_up(kStageA + kStageB, 1024);

@@ -8,7 +8,7 @@
 //   - mma_tile_l1: L1's main loop, the same GEMM on FP16 tensor cores (exact products of
 //     the FP8 values, float32 accumulation), which the requantization after L1 needs.
 // Barriers: full[s] (1 producer arrival + TMA bytes), empty[s] (one arrival per math warp),
-// named barrier 2 + wg (a math warpgroup's L1 token staging).
+// tok_full[b] / tok_empty[b] (L1's FP16 token buffers, filled by warps 1-3).
 #pragma once
 
 #include <cute/arch/cluster_sm90.hpp>
@@ -58,8 +58,8 @@ struct TileScheduler {
 template <class Cfg>
 struct StageView {
   uint8_t* stages;
-  uint8_t* staging;  // the math warpgroups' L1 token tiles in FP16 (Cfg::kSmemStaging)
-  float* l1_token_scales;  // [2 math warpgroups][BLOCK_M]: the k-block's token scales (Cfg::kSmemTokenScales)
+  uint8_t* staging;  // L1 token tiles in FP16, [2 k-block parities] (Cfg::kSmemStaging)
+  float* l1_token_scales;  // [2 k-block parities][BLOCK_M]: their token scales (Cfg::kSmemTokenScales)
   __device__ uint8_t* a(int s) const { return stages + s * Cfg::kStageBytes; }
   __device__ uint8_t* b(int s) const { return a(s) + Cfg::kStageA; }
 };
@@ -292,10 +292,10 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t smem_addr, uint32_t (&d)[4]
 
 // The stage's token tile (kN rows x 128 FP8, 128B-swizzled as TMA wrote it) -> FP16 in
 // the permuted K order, K-major with the 128B swizzle: two 64-wide K atoms of [kN][128 B].
-template <int kN>
-__device__ __forceinline__ void stage_l1_tokens(const uint8_t* src, uint8_t* dst, int thread_in_wg) {
+template <int kN, int kThreads>
+__device__ __forceinline__ void stage_l1_tokens(const uint8_t* src, uint8_t* dst, int t) {
 #pragma unroll
-  for (int i = thread_in_wg; i < kN * 8; i += 128) {
+  for (int i = t; i < kN * 8; i += kThreads) {
     const int r = i / 8, c = i % 8;  // 16-byte chunk c = K slice c
     const uint4 v = *reinterpret_cast<const uint4*>(src + r * 128 + ((c ^ (r & 7)) * 16));
     const uint32_t in[4] = {v.x, v.y, v.z, v.w};
@@ -309,33 +309,60 @@ __device__ __forceinline__ void stage_l1_tokens(const uint8_t* src, uint8_t* dst
   }
 }
 
-constexpr int kL1StagingBarrierId = 2;  // + warpgroup index
+constexpr int kNumTokenConverterThreads = 96;  // warps 1-3
+
+// Warps 1-3 during L1: per k-block, the tile's token scales and its tokens in FP16 (permuted
+// K order) into token buffer k-block % 2, converted once for both math warpgroups. Walks
+// the math warpgroups' tiles and k-blocks. tok_full[b]: one arrival per converter thread;
+// tok_empty[b]: one per math warp, once its WGMMAs and promotions of that k-block are done.
+template <class Cfg>
+__device__ void convert_l1_tokens(const KernelParams& p, const TileScheduler<Cfg>& sched, const StageView<Cfg>& sv,
+                                  uint64_t* full, uint64_t* tok_full, uint64_t* tok_empty) {
+  constexpr int kN = Cfg::kBlockM;
+  const int t = threadIdx.x - 32;
+  const float* pool_sf = reinterpret_cast<const float*>(p.peer_base[p.rank] + p.off.pool_sf);
+  PipelineState ps, tok;
+  const int num_tiles = sched.num_tiles();
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const Tile tl = sched.decode(tile);
+    const float* sfa = pool_sf + sched.tables.exp_start[tl.expert] + tl.m_block * kN;
+    for (int kb = 0; kb < Cfg::kL1NumKBlocks; ++kb) {
+      const float token_scale = t < kN ? __ldcg(sfa + (int64_t)kb * p.pool_capacity + t) : 0.f;
+      mbar_wait(p, &tok_empty[tok.stage], tok.phase ^ 1, kErrPipelineEmptyTimeout);
+      mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
+      if (t < kN) sv.l1_token_scales[tok.stage * kN + t] = token_scale;
+      stage_l1_tokens<kN, kNumTokenConverterThreads>(sv.a(ps.stage), sv.staging + tok.stage * Cfg::kL1TokenBytes, t);
+      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // FP16 stores -> WGMMA reads
+      cuda::ptx::mbarrier_arrive(&tok_full[tok.stage]);
+      tok.advance<2>();
+      ps.advance<Cfg::kNumStages>();
+    }
+  }
+}
 
 // L1 main loop of one math warpgroup, every tier. Accumulator layout and scale contract as
 // mma_tile_swap: acc[i][4c + {0,1}] = weight row 64i + r0 (gate), acc[i][4c + {2,3}] = row
 // 64i + r0 + 8 (up), tokens 8c + 2q + {0,1}; `weight_scales(kb)` .x gate, .y up.
-// Per k-block: stage the tokens in FP16, then four quarters (sub-tile i, slices 4hh ..
+// Per k-block: wait for the converters' FP16 tokens (convert_l1_tokens), then four quarters (sub-tile i, slices 4hh ..
 // 4hh + 3): load and convert a quarter's FP8 weight fragments while the WGMMAs of the one
 // before run (two fragment slots), 4 m64nBLOCK_Mk16 WGMMAs per quarter into the sub-tile's
 // fresh accumulator, promoted once both of its quarters are done. The stage goes back to the
 // producer once the last quarter's fragments are in registers.
-// Named barrier 2 + wg: before staging (the previous k-block's WGMMAs and promotions of all
-// four warps are done with the staging tile and token scales) and after it (both complete).
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ void mma_tile_l1(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
-                                            uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
-                                            const float* sfa, float* acc, WeightScales weight_scales) {
+                                            uint64_t* empty, uint64_t* tok_full, uint64_t* tok_empty,
+                                            PipelineState& ps, PipelineState& tok, int wg, const FragCoord& fc,
+                                            float* acc, WeightScales weight_scales) {
   static_assert(Cfg::kSwapSubTiles == 2 && Cfg::kBlockK == 128, "four quarters of 4 K slices per k-block");
   constexpr int kN = Cfg::kBlockM, kFrag = kN / 2, kChunks = kN / 8;
   using Op = typename L1Wgmma<kN>::Op;
   const int thread_in_wg = threadIdx.x % 128, lane = threadIdx.x % 32;
-  uint8_t* staging = sv.staging + wg * Cfg::kStagingBytesPerWg;
-  float* token_scales = sv.l1_token_scales + wg * kN;
   // ldmatrix.x4 row addresses: lanes 0-7 / 8-15 / 16-23 / 24-31 give matrices (rows 0-7,
   // slice s), (rows 8-15, s), (rows 0-7, s + 1), (rows 8-15, s + 1) of the warp's 16 rows.
   const int ld_row = wg * Cfg::kWgN + (thread_in_wg / 32) * 16 + lane % 8 + 8 * ((lane / 8) % 2);
   const int ld_slice = lane / 16;
-  const uint64_t desc_tokens = make_smem_desc(staging);
+  uint64_t desc_tokens;
+  const float* token_scales;
   float part[kFrag];
   uint32_t frag[2][4][4];  // two quarters' A fragments: [slot][slice in quarter][register]
 
@@ -374,14 +401,10 @@ __device__ __forceinline__ void mma_tile_l1(const KernelParams& p, const StageVi
   for (int i = 0; i < Cfg::kAccFloats; ++i) acc[i] = 0.f;
   for (int kb = 0; kb < kNumKBlocks; ++kb) {
     const float2 sb = weight_scales(kb);
-    // The tokens' scales go through shared memory, not 2 * kChunks registers per thread.
-    const float my_token_scale = thread_in_wg < kN ? __ldcg(sfa + (int64_t)kb * p.pool_capacity + thread_in_wg) : 0.f;
     mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
-    named_barrier_sync(kL1StagingBarrierId + wg, 128);
-    if (thread_in_wg < kN) token_scales[thread_in_wg] = my_token_scale;
-    stage_l1_tokens<kN>(sv.a(ps.stage), staging, thread_in_wg);
-    cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // staging stores -> WGMMA reads
-    named_barrier_sync(kL1StagingBarrierId + wg, 128);
+    mbar_wait(p, &tok_full[tok.stage], tok.phase, kErrPipelineFullTimeout);
+    desc_tokens = make_smem_desc(sv.staging + tok.stage * Cfg::kL1TokenBytes);
+    token_scales = sv.l1_token_scales + tok.stage * kN;
     const uint32_t b_stage = static_cast<uint32_t>(__cvta_generic_to_shared(sv.b(ps.stage)));
 
     load_quarter(b_stage, 0, 0, frag[0]);
@@ -402,6 +425,9 @@ __device__ __forceinline__ void mma_tile_l1(const KernelParams& p, const StageVi
     cute::warpgroup_wait<0>();
     fence_operands<kFrag>(part);
     promote(1, sb);
+    __syncwarp();
+    if (lane == 0) cuda::ptx::mbarrier_arrive(&tok_empty[tok.stage]);  // done with the token buffer
+    tok.advance<2>();
     ps.advance<Cfg::kNumStages>();
   }
 }

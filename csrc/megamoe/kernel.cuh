@@ -2,7 +2,8 @@
 //
 // Roles (warp -> role):
 //   warps 0-3  (warpgroup 0)  dispatch / combine worker; warp 0's elected lane is the
-//                             TMA producer during the GEMM phases
+//                             TMA producer during the GEMM phases; in L1 warps 1-3 convert
+//                             each stage's tokens to FP16 once (gemm.cuh convert_l1_tokens)
 //   warps 4-7  (warpgroup 1)  math: WGMMA on weight rows [0, 128) of each 256-row tile, epilogues
 //   warps 8-11 (warpgroup 2)  math: weight rows [128, 256)
 //   All warps take part in dispatch, pull and combine.
@@ -18,8 +19,7 @@
 // This first version separates the phases by barriers; overlapping them (arrival
 // counters, L2 trailing L1) is the performance issue's work.
 //
-// Named barriers: 0 = __syncthreads, 1 = math warpgroups' amax exchange, 2 + w = math
-// warpgroup w's L1 token staging.
+// Named barriers: 0 = __syncthreads, 1 = math warpgroups' amax exchange.
 // mbarriers: full[s] / empty[s] per pipeline stage (gemm.cuh).
 #pragma once
 
@@ -42,12 +42,14 @@ __device__ __forceinline__ void fence_generic_to_async() { cuda::ptx::fence_prox
 template <class Cfg, bool kIsL2>
 __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
                                            const StageView<Cfg>& sv, uint64_t* full, uint64_t* empty,
-                                           PipelineState& ps, float* amax_exchange, int& parity) {
+                                           uint64_t* tok_full, uint64_t* tok_empty, PipelineState& ps,
+                                           float* amax_exchange, int& parity) {
   const TileScheduler<Cfg> sched{tables, kIsL2 ? Cfg::kL2NumNBlocks : Cfg::kL1NumNBlocks};
   const int wg = (threadIdx.x - 128) / 128;
   const FragCoord fc = FragCoord::of(threadIdx.x % 128);
   float acc[Cfg::kAccFloats];
   const int num_tiles = sched.num_tiles();
+  PipelineState tok;  // L1's token buffers (gemm.cuh convert_l1_tokens)
   const float* sf_pool = reinterpret_cast<const float*>(base + (kIsL2 ? p.off.act_sf : p.off.pool_sf));
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const Tile t = sched.decode(tile);
@@ -72,7 +74,8 @@ __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base,
       // w13_scale [E_l, I/128, 2 (gate, up), H/128]: the tile's n-block is the requant group.
       const float* sb = p.w13_scale + ((int64_t)t.expert * (Cfg::kInter / 128) + t.n_block) * 2 * Cfg::kL1NumKBlocks;
       const auto weight_scales = [&](int kb) { return make_float2(__ldg(sb + kb), __ldg(sb + Cfg::kL1NumKBlocks + kb)); };
-      mma_tile_l1<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
+      mma_tile_l1<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, tok_full, tok_empty, ps, tok, wg, fc, acc,
+                                           weight_scales);
       l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
       parity ^= 1;
     }
@@ -88,6 +91,8 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   uint8_t* smem = smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kSmemBarriers);
   uint64_t* empty = full + Cfg::kNumStages;
+  uint64_t* tok_full = empty + Cfg::kNumStages;
+  uint64_t* tok_empty = tok_full + 2;
   float* amax_exchange = reinterpret_cast<float*>(smem + Cfg::kSmemAmax);
   int* table_base = reinterpret_cast<int*>(smem + Cfg::kSmemTables);
   const ExpertTables tables{table_base, table_base + Cfg::kNumLocalExperts, table_base + 2 * Cfg::kNumLocalExperts};
@@ -103,6 +108,10 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
     for (int s = 0; s < Cfg::kNumStages; ++s) {
       cuda::ptx::mbarrier_init(&full[s], 1);
       cuda::ptx::mbarrier_init(&empty[s], Cfg::kNumMathThreads / 32);
+    }
+    for (int b = 0; b < 2; ++b) {
+      cuda::ptx::mbarrier_init(&tok_full[b], kNumTokenConverterThreads);
+      cuda::ptx::mbarrier_init(&tok_empty[b], Cfg::kNumMathThreads / 32);
     }
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
   }
@@ -135,8 +144,10 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   const bool is_producer = threadIdx.x < 32 && cute::elect_one_sync();
   if (is_producer) {
     produce_tiles<Cfg, false>(p, TileScheduler<Cfg>{tables, Cfg::kL1NumNBlocks}, sv, full, empty, ps);
+  } else if (threadIdx.x >= 32 && threadIdx.x < 128) {
+    convert_l1_tokens<Cfg>(p, TileScheduler<Cfg>{tables, Cfg::kL1NumNBlocks}, sv, full, tok_full, tok_empty);
   } else if (threadIdx.x >= 128) {
-    math_phase<Cfg, false>(p, base, tables, sv, full, empty, ps, amax_exchange, parity);
+    math_phase<Cfg, false>(p, base, tables, sv, full, empty, tok_full, tok_empty, ps, amax_exchange, parity);
   }
   fence_generic_to_async();
   grid_sync(p, signals);
@@ -144,7 +155,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   if (is_producer) {
     produce_tiles<Cfg, true>(p, TileScheduler<Cfg>{tables, Cfg::kL2NumNBlocks}, sv, full, empty, ps);
   } else if (threadIdx.x >= 128) {
-    math_phase<Cfg, true>(p, base, tables, sv, full, empty, ps, amax_exchange, parity);
+    math_phase<Cfg, true>(p, base, tables, sv, full, empty, tok_full, tok_empty, ps, amax_exchange, parity);
   }
   __threadfence_system();
   rank_sync<Cfg::kNumRanks>(p, signals, rounds_before + 2);
