@@ -314,7 +314,7 @@ constexpr int kNumTokenConverterThreads = 96;  // warps 1-3
 // Warps 1-3 during L1: per k-block, the tile's token scales and its tokens in FP16 (permuted
 // K order) into token buffer k-block % 2, converted once for both math warpgroups. Walks
 // the math warpgroups' tiles and k-blocks. tok_full[b]: one arrival per converter thread;
-// tok_empty[b]: one per math warp, once its WGMMAs and promotions of that k-block are done.
+// tok_empty[b]: one per math thread, once its WGMMAs and promotions of that k-block are done.
 template <class Cfg>
 __device__ void convert_l1_tokens(const KernelParams& p, const TileScheduler<Cfg>& sched, const StageView<Cfg>& sv,
                                   uint64_t* full, uint64_t* tok_full, uint64_t* tok_empty) {
@@ -425,8 +425,11 @@ __device__ __forceinline__ void mma_tile_l1(const KernelParams& p, const StageVi
     cute::warpgroup_wait<0>();
     fence_operands<kFrag>(part);
     promote(1, sb);
-    __syncwarp();
-    if (lane == 0) cuda::ptx::mbarrier_arrive(&tok_empty[tok.stage]);  // done with the token buffer
+    // Every thread arrives once it has read its token scales. (One arrival per warp after
+    // __syncwarp orders the other lanes' reads only through the warp barrier, which
+    // compute-sanitizer's racecheck reports as a hazard; a named barrier per warpgroup made
+    // ptxas spill at BLOCK_M 64.)
+    cuda::ptx::mbarrier_arrive(&tok_empty[tok.stage]);
     tok.advance<2>();
     ps.advance<Cfg::kNumStages>();
   }

@@ -20,7 +20,8 @@
 // counters, L2 trailing L1) is the performance issue's work.
 //
 // Named barriers: 0 = __syncthreads, 1 = math warpgroups' amax exchange.
-// mbarriers: full[s] / empty[s] per pipeline stage (gemm.cuh).
+// mbarriers: full[s] / empty[s] per pipeline stage, tok_full[b] / tok_empty[b] per L1 token
+// buffer (gemm.cuh).
 #pragma once
 
 #include <cuda/ptx>
@@ -111,7 +112,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
     }
     for (int b = 0; b < 2; ++b) {
       cuda::ptx::mbarrier_init(&tok_full[b], kNumTokenConverterThreads);
-      cuda::ptx::mbarrier_init(&tok_empty[b], Cfg::kNumMathThreads / 32);
+      cuda::ptx::mbarrier_init(&tok_empty[b], Cfg::kNumMathThreads);
     }
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
   }
