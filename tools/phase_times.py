@@ -1,7 +1,7 @@
 """Where a call's time goes: runs the kernel stopped after each phase (the
 `_stop_after_phase` debug switch) and prints the cumulative times and their differences.
 
-    python3 tools/phase_times.py [--configs v4flash,v3] [--tokens 1,128,8192] [--iters 10]
+    python3 tools/phase_times.py [--configs v4flash,v3] [--tokens 1,128,8192] [--iters 10] [--local-experts 32]
 
 With --profile, each (config, tokens) instead runs the full call and the calls stopped
 after each phase once more between cudaProfilerStart/Stop, for Nsight Compute to read
@@ -39,6 +39,8 @@ def main():
     parser.add_argument("--configs", default="v4flash,v3")
     parser.add_argument("--tokens", default="1,128,8192")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--local-experts", type=int, default=LOCAL_EXPERTS,
+                        help="e.g. 128 for the tools/e2e model (qwen30's H/I/top-k with 128 experts)")
     parser.add_argument("--profile", action="store_true", help="one more launch per phase inside profiler markers")
     args = parser.parse_args()
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
@@ -46,10 +48,10 @@ def main():
     tokens_list = [int(t) for t in args.tokens.split(",")]
     for name in args.configs.split(","):
         hidden, inter, topk = CONFIGS[name]
-        layer = random_layer(LOCAL_EXPERTS, hidden, inter, "cuda", gen)
-        buf = mm.get_symm_buffer(None, LOCAL_EXPERTS, max(tokens_list), topk, hidden, inter)
+        layer = random_layer(args.local_experts, hidden, inter, "cuda", gen)
+        buf = mm.get_symm_buffer(None, args.local_experts, max(tokens_list), topk, hidden, inter)
         for n in tokens_list:
-            fill_buffer(buf, random_inputs(n, hidden, LOCAL_EXPERTS, topk, "uniform", "cuda", gen))
+            fill_buffer(buf, random_inputs(n, hidden, args.local_experts, topk, "uniform", "cuda", gen))
             y = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
             cumulative = []
             before_call = functools.partial(reset_and_flush, buf, flush)
