@@ -12,6 +12,9 @@ Per rank, in order (every region 256-byte aligned):
               this rank's (token, slot) entries grouped by global expert, which the
               expert's owner pulls. Counts and cursors are zeroed by the kernel at exit.
   signals     grid barrier, cross-rank barrier counter, call epoch (u32 each)
+  l1_done     [ceil(P / MIN_BLOCK_M)] i32: per m-block of the pool, how many L1 tiles have stored
+              their act rows; an L2 tile of that m-block starts when all have (no grid
+              barrier between L1 and L2). Zeroed by the kernel at exit.
   L1 pool     pool_x [P, H] fp8, pool_sf [H/128, P] f32 (MN-major for TMA),
               pool_weight [P] f32, pool_src [P, 2] i32 (source rank, token*K + slot)
   L2 pool     act [P, I] fp8, act_sf [I/128, P] f32
@@ -27,8 +30,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .heuristics import IMPLEMENTED_BLOCK_M
+
 # Every expert's rows start on a multiple of this in the pools; no BLOCK_M tier exceeds it.
 POOL_ALIGN_M = 128
+# The smallest BLOCK_M tier the kernel has: the most m-blocks a pool can be cut into.
+MIN_BLOCK_M = min(IMPLEMENTED_BLOCK_M)
 _REGION_ALIGN = 256
 NUM_SIGNAL_WORDS = 64
 # Section 2 limits of DESIGN.md.
@@ -118,6 +125,9 @@ class BufferLayout:
             ("send_offset", (e,), torch.int32),
             ("send_list", (n * k,), torch.int32),
             ("signals", (NUM_SIGNAL_WORDS,), torch.int32),
+            # One counter per m-block of the smallest BLOCK_M tier: P >= every entry plus
+            # POOL_ALIGN_M - 1 rows per expert that has any, so P / MIN_BLOCK_M >= any routing's m-blocks.
+            ("l1_done", (_round_up(p, MIN_BLOCK_M) // MIN_BLOCK_M,), torch.int32),
             ("pool_x", (p, h), torch.float8_e4m3fn),
             ("pool_sf", (h // 128, p), torch.float32),
             ("pool_weight", (p,), torch.float32),

@@ -26,6 +26,7 @@ _ERROR_NAMES = {
     2: "cross-rank barrier (a peer rank did not call fp8_mega_moe, or it is stuck)",
     3: "TMA pipeline 'full' barrier (loads never completed)",
     4: "TMA pipeline 'empty' barrier (math warpgroups stopped consuming)",
+    5: "L1 rows of an m-block (an L2 tile waited for the L1 tiles that write its act rows)",
 }
 
 

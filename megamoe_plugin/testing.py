@@ -76,6 +76,16 @@ def random_inputs(num_tokens: int, hidden: int, num_experts: int, num_topk: int,
     return dict(x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights.float(), hidden_states=hidden_states)
 
 
+# Counters a call zeroes at its end, so one stopped early (_stop_after_phase) leaves them set.
+SELF_CLEANING_REGIONS = ("send_count", "send_cursor", "l1_done")
+
+
+def reset_after_stopped_call(buf) -> None:
+    """Zeroes what a call stopped with _stop_after_phase left for the next call to trip on."""
+    for name in SELF_CLEANING_REGIONS:
+        buf.view(name).zero_()
+
+
 def fill_buffer(buf, inputs: Dict[str, torch.Tensor]) -> int:
     """Writes one rank's quantized inputs into its symmetric buffer; returns n."""
     n = inputs["x"].shape[0]

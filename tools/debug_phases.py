@@ -10,7 +10,7 @@ import torch
 
 import megamoe_plugin as mm
 from megamoe_plugin.fp8 import dequantize_per_token_group
-from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer
+from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer, reset_after_stopped_call
 
 
 def main():
@@ -31,8 +31,7 @@ def main():
     starts = torch.cumsum(counts, 0) - counts
 
     for phase in [int(p) for p in args.phases.split(",")]:
-        for name in ("send_count", "send_cursor"):
-            buf.view(name).zero_()
+        reset_after_stopped_call(buf)
         y = torch.full((N, H), math.nan, dtype=torch.bfloat16, device="cuda")
         mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, _stop_after_phase=phase)
         mm.ops.synchronize()

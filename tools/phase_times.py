@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import megamoe_plugin as mm  # noqa: E402
 from bench_kernel import CONFIGS, LOCAL_EXPERTS, median_call_seconds  # noqa: E402
-from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer  # noqa: E402
+from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer, reset_after_stopped_call  # noqa: E402
 
 PHASES = [(2, "count+list+rank barrier"), (4, "layout+pull"), (5, "L1 GEMM+epilogue"), (6, "L2 GEMM+scatter"),
           (0, "combine")]
@@ -29,8 +29,7 @@ PHASES = [(2, "count+list+rank barrier"), (4, "layout+pull"), (5, "L1 GEMM+epilo
 
 def reset_and_flush(buf, flush):
     """Untimed before each call: a stopped call leaves the send counters set."""
-    buf.view("send_count").zero_()
-    buf.view("send_cursor").zero_()
+    reset_after_stopped_call(buf)
     flush.zero_()
 
 

@@ -67,14 +67,19 @@ __device__ void combine_tokens(const KernelParams& p, uint8_t* base) {
   }
 }
 
-// Zeroes the send-side counters for the next call (peers finished reading them before
-// the last cross-rank barrier).
+// Zeroes the send-side counters and the m-blocks' L1 arrival counters for the next call
+// (peers finished reading the former, and this rank's L2 tiles the latter, before the
+// last cross-rank barrier).
 template <class Cfg>
-__device__ void reset_send_counters(const KernelParams& p, uint8_t* base) {
+__device__ void reset_workspace(const KernelParams& p, uint8_t* base, const ExpertTables& tables) {
   int* send_count = reinterpret_cast<int*>(base + p.off.send_count);
   int* send_cursor = reinterpret_cast<int*>(base + p.off.send_cursor);
-  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < Cfg::kNumExperts; e += gridDim.x * blockDim.x)
+  int* l1_done = reinterpret_cast<int*>(base + p.off.l1_done);
+  const int stride = gridDim.x * blockDim.x;
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < Cfg::kNumExperts; e += stride)
     send_count[e] = 0, send_cursor[e] = 0;
+  for (int gm = blockIdx.x * blockDim.x + threadIdx.x; gm < tables.mblk_prefix[Cfg::kNumLocalExperts]; gm += stride)
+    l1_done[gm] = 0;
 }
 
 }  // namespace megamoe

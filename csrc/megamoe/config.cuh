@@ -25,6 +25,10 @@ struct KernelConfig {
   // with pool rows on the M side (m64n128k32), BLOCK_M 8/16/32 (decode tiers) swap-AB
   // (m64nBLOCK_Mk32), so a tile with a few tokens does not pay for 64 rows of MMA.
   static constexpr bool kL2SwapAB = kBlockM < 64;
+  // L2 tiles start as soon as their m-block's L1 tiles are done, without a grid barrier
+  // (kernel.cuh). Measured 5-8% faster at 1-128 tokens and 1-3% slower from 512 up
+  // (docs/results round 7/8), and at BLOCK_M 64 it makes ptxas spill.
+  static constexpr bool kL2TrailsL1 = kBlockM < 64;
   static constexpr int kSwapSubTiles = 2;  // m64 sub-tiles per warpgroup in swap-AB
   // Accumulator floats per math thread: 2 sub-tiles of m64nBLOCK_M (L1, swap-AB L2), or
   // m64n128 (L2 at BLOCK_M 64): BLOCK_M either way.

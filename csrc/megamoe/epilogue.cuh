@@ -3,6 +3,7 @@
 // L1 (l1_epilogue_swap, every tier): the 256 interleaved weight rows of a tile are gate/up
 // pairs of 128 outputs (one requant group); a token's amax is reduced over the 8 math warps
 // through shared memory (named barrier 1), then all quantize with the same float32 scale.
+// Then publish_l1_tile counts the tile into l1_done[m-block] (its L2 tiles wait on it).
 // L2: BF16 rows are stored straight into the combine buffer of the rank that owns the
 // token (over NVLink for remote tokens), at the token's (slot) position.
 #pragma once
@@ -25,6 +26,19 @@ template <bool kFastMath>
 __device__ __forceinline__ float silu(float x) {
   if constexpr (kFastMath) return __fdividef(x, 1.f + __expf(-x));
   else return x / (1.f + expf(-x));
+}
+
+// After the L1 epilogue: publish the tile's act rows to the L2 tiles of its m-block
+// (gemm.cuh l1_done). Each math thread's stores are fenced for the readers' TMA and at
+// GPU scope, then one release arrival once both warpgroups are done.
+template <class Cfg>
+__device__ __forceinline__ void publish_l1_tile(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
+                                                const Tile& t) {
+  fence_generic_to_async();
+  __threadfence();
+  named_barrier_sync(kEpilogueBarrierId, Cfg::kNumMathThreads);
+  if (threadIdx.x == Cfg::kNumThreads - Cfg::kNumMathThreads)
+    red_add_release_gpu(reinterpret_cast<int*>(base + p.off.l1_done) + global_m_block<Cfg>(tables, t), 1);
 }
 
 // Transposes a 4x4 block of 32-bit values across the 4 lanes of a quad: lane q holds

@@ -54,6 +54,27 @@ struct TileScheduler {
   }
 };
 
+// L2 trails L1 without a grid barrier: each L1 tile adds 1 to l1_done[m-block] once its
+// act rows are stored (l1_epilogue), and an L2 tile of that m-block starts when all
+// kL1NumNBlocks have. Tiles are handed out in one round-robin over the L1 then the L2
+// tiles, and no L1 tile waits on anything, so every wait ends.
+template <class Cfg>
+__device__ __forceinline__ int global_m_block(const ExpertTables& tables, const Tile& t) {
+  return tables.mblk_prefix[t.expert] + t.m_block;
+}
+
+template <class Cfg>
+__device__ __forceinline__ bool l1_rows_ready(const int* l1_done, int gm) {
+  return ld_acquire_gpu(l1_done + gm) >= Cfg::kL1NumNBlocks;
+}
+
+// Bounded wait (acquire) for an m-block's L1 rows. Scale 2: a stuck L1 tile's own
+// pipeline wait reports first.
+template <class Cfg>
+__device__ __forceinline__ void wait_l1_rows(const KernelParams& p, const int* l1_done, int gm) {
+  bounded_wait(p, kErrL1RowsTimeout, [&] { return l1_rows_ready<Cfg>(l1_done, gm); }, 2);
+}
+
 // Shared-memory views of one pipeline stage.
 template <class Cfg>
 struct StageView {
@@ -64,32 +85,63 @@ struct StageView {
   __device__ uint8_t* b(int s) const { return a(s) + Cfg::kStageA; }
 };
 
-// TMA producer for one GEMM phase. A rows come from the pool (expert's rows), B rows
-// from the weights (expert's block). The math warps read the A scales themselves.
+__device__ __forceinline__ void tma_load_2d(void* smem, const CUtensorMap* tmap, int x, int y, uint64_t* bar) {
+  const int32_t crd[2] = {x, y};
+  cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, smem, tmap, crd, bar);
+}
+
+// Claims the next stage for one k-block (A + B bytes expected on its full barrier).
+template <class Cfg>
+__device__ __forceinline__ uint64_t* claim_stage(const KernelParams& p, uint64_t* full, uint64_t* empty,
+                                                 const PipelineState& ps) {
+  mbar_wait(p, &empty[ps.stage], ps.phase ^ 1, kErrPipelineEmptyTimeout);
+  uint64_t* bar = &full[ps.stage];
+  cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared, bar,
+                                       Cfg::kStageA + Cfg::kStageB);
+  return bar;
+}
+
+// TMA producer for one GEMM phase, tiles first_tile, first_tile + gridDim.x, ...
+// A rows come from the pool (expert's rows), B rows from the weights (expert's block).
+// The math warps read the A scales themselves. An L2 tile whose act rows are not ready
+// yet first streams the weights of as many k-blocks as there are stages, then waits.
 template <class Cfg, bool kIsL2>
-__device__ void produce_tiles(const KernelParams& p, const TileScheduler<Cfg>& sched, const StageView<Cfg>& sv,
-                              uint64_t* full, uint64_t* empty, PipelineState& ps) {
+__device__ void produce_tiles(const KernelParams& p, uint8_t* base, const TileScheduler<Cfg>& sched, int first_tile,
+                              const StageView<Cfg>& sv, uint64_t* full, uint64_t* empty, PipelineState& ps) {
   constexpr int kNumKBlocks = kIsL2 ? Cfg::kL2NumKBlocks : Cfg::kL1NumKBlocks;
   constexpr int kRowsPerExpert = kIsL2 ? Cfg::kHidden : 2 * Cfg::kInter;
-  constexpr uint32_t kBytes = Cfg::kStageA + Cfg::kStageB;
+  constexpr int kPrefetch = kNumKBlocks < Cfg::kNumStages ? kNumKBlocks : Cfg::kNumStages;
   const CUtensorMap* tmap_a = p.tmaps + (kIsL2 ? kTmapAct : kTmapPoolX);
   const CUtensorMap* tmap_b = p.tmaps + (kIsL2 ? kTmapW2 : kTmapW13);
+  const int* l1_done = reinterpret_cast<const int*>(base + p.off.l1_done);
   const int num_tiles = sched.num_tiles();
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+  for (int tile = first_tile; tile < num_tiles; tile += gridDim.x) {
     const Tile t = sched.decode(tile);
     const int row_a = sched.tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
     const int row_b = t.expert * kRowsPerExpert + t.n_block * Cfg::kBlockN;
-    for (int kb = 0; kb < kNumKBlocks; ++kb) {
-      mbar_wait(p, &empty[ps.stage], ps.phase ^ 1, kErrPipelineEmptyTimeout);
-      uint64_t* bar = &full[ps.stage];
-      cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared, bar,
-                                           kBytes);
-      const int32_t crd_a[2] = {kb * Cfg::kBlockK, row_a};
-      const int32_t crd_b[2] = {kb * Cfg::kBlockK, row_b};
-      cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, sv.a(ps.stage), tmap_a, crd_a,
-                                      bar);
-      cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, sv.b(ps.stage), tmap_b, crd_b,
-                                      bar);
+    int kb = 0;
+    if constexpr (kIsL2 && Cfg::kL2TrailsL1) {
+      const int gm = global_m_block<Cfg>(sched.tables, t);
+      if (!l1_rows_ready<Cfg>(l1_done, gm)) {
+        PipelineState ahead = ps;
+        for (int i = 0; i < kPrefetch; ++i) {
+          tma_load_2d(sv.b(ahead.stage), tmap_b, i * Cfg::kBlockK, row_b, claim_stage<Cfg>(p, full, empty, ahead));
+          ahead.advance<Cfg::kNumStages>();
+        }
+        wait_l1_rows<Cfg>(p, l1_done, gm);
+        fence_generic_to_async();
+        for (; kb < kPrefetch; ++kb) {
+          tma_load_2d(sv.a(ps.stage), tmap_a, kb * Cfg::kBlockK, row_a, &full[ps.stage]);
+          ps.advance<Cfg::kNumStages>();
+        }
+      } else {
+        fence_generic_to_async();
+      }
+    }
+    for (; kb < kNumKBlocks; ++kb) {
+      uint64_t* bar = claim_stage<Cfg>(p, full, empty, ps);
+      tma_load_2d(sv.a(ps.stage), tmap_a, kb * Cfg::kBlockK, row_a, bar);
+      tma_load_2d(sv.b(ps.stage), tmap_b, kb * Cfg::kBlockK, row_b, bar);
       ps.advance<Cfg::kNumStages>();
     }
   }

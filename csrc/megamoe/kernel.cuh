@@ -13,11 +13,12 @@
 //   2 list      send list grouped by expert                          -> rank_sync
 //   3 layout    read peers' counts for local experts, pool layout (per CTA, smem)
 //   4 pull      copy routed tokens from their ranks into the L1 pool -> grid_sync
-//   5 L1        gate/up GEMM, SwiGLU x weight, FP8 requant -> act    -> grid_sync
+//   5 L1        gate/up GEMM, SwiGLU x weight, FP8 requant -> act    -> l1_done[m-block]
+//                                                                    (+ grid_sync at BLOCK_M 64)
 //   6 L2        down GEMM, BF16 rows scattered to the token's rank   -> rank_sync
-//   7 combine   sum each token's slots into y; reset send counters
-// This first version separates the phases by barriers; overlapping them (arrival
-// counters, L2 trailing L1) is the performance issue's work.
+//   7 combine   sum each token's slots into y; reset send counters and l1_done
+// At BLOCK_M < 64 L2 tiles trail L1 tiles: an L2 tile waits for the L1 tiles of its m-block
+// only (arrival counters in l1_done, gemm.cuh); the other phases are separated by barriers.
 //
 // Named barriers: 0 = __syncthreads, 1 = math warpgroups' amax exchange.
 // mbarriers: full[s] / empty[s] per pipeline stage, tok_full[b] / tok_empty[b] per L1 token
@@ -36,15 +37,11 @@
 
 namespace megamoe {
 
-// Global memory written with ordinary stores and read next by TMA (the async proxy)
-// on another SM: each writer fences before the barrier that publishes the data.
-__device__ __forceinline__ void fence_generic_to_async() { cuda::ptx::fence_proxy_async(cuda::ptx::space_global); }
-
 template <class Cfg, bool kIsL2>
 __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
-                                           const StageView<Cfg>& sv, uint64_t* full, uint64_t* empty,
-                                           uint64_t* tok_full, uint64_t* tok_empty, PipelineState& ps,
-                                           float* amax_exchange, int& parity) {
+                                           int first_tile, const StageView<Cfg>& sv, uint64_t* full,
+                                           uint64_t* empty, uint64_t* tok_full, uint64_t* tok_empty,
+                                           PipelineState& ps, float* amax_exchange, int& parity) {
   const TileScheduler<Cfg> sched{tables, kIsL2 ? Cfg::kL2NumNBlocks : Cfg::kL1NumNBlocks};
   const int wg = (threadIdx.x - 128) / 128;
   const FragCoord fc = FragCoord::of(threadIdx.x % 128);
@@ -52,10 +49,19 @@ __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base,
   const int num_tiles = sched.num_tiles();
   PipelineState tok;  // L1's token buffers (gemm.cuh convert_l1_tokens)
   const float* sf_pool = reinterpret_cast<const float*>(base + (kIsL2 ? p.off.act_sf : p.off.pool_sf));
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+  const int* l1_done = reinterpret_cast<const int*>(base + p.off.l1_done);
+  for (int tile = first_tile; tile < num_tiles; tile += gridDim.x) {
     const Tile t = sched.decode(tile);
     const float* sfa = sf_pool + tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
     if constexpr (kIsL2) {
+      if constexpr (Cfg::kL2TrailsL1) {
+        // The act scales are read with plain loads: acquire the m-block's L1 rows first
+        // (one lane polls, then every lane acquires the value it saw).
+        const int gm = global_m_block<Cfg>(tables, t);
+        if (threadIdx.x % 32 == 0) wait_l1_rows<Cfg>(p, l1_done, gm);
+        __syncwarp();
+        (void)l1_rows_ready<Cfg>(l1_done, gm);
+      }
       // w2_scale [E_l, H/128, I/128]; a column block past H (odd H/128) reads no scale.
       const int nb128 = t.n_block * 2 + wg;
       const float* sb = p.w2_scale + ((int64_t)t.expert * (Cfg::kHidden / 128) + nb128) * Cfg::kL2NumKBlocks;
@@ -78,6 +84,7 @@ __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base,
       mma_tile_l1<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, tok_full, tok_empty, ps, tok, wg, fc, acc,
                                            weight_scales);
       l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
+      if constexpr (Cfg::kL2TrailsL1) publish_l1_tile<Cfg>(p, base, tables, t);
       parity ^= 1;
     }
   }
@@ -138,25 +145,33 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   grid_sync(p, signals);  // also frees the scratch for the pipeline stages
   if (p.stop_after_phase == 4) return;
 
-  // 5-6: GEMMs. Producer and math warpgroups walk the same tile sequence, so one
-  // pipeline state per role carries over from L1 to L2.
+  // 5-6: GEMMs: the L1 tiles, then the L2 tiles, dealt round-robin as one sequence (L2
+  // starts where L1 ended). Producer and math warpgroups walk the same tiles, so one
+  // pipeline state per role carries over. An L2 tile waits for the L1 tiles of its own
+  // m-block (gemm.cuh l1_done); at BLOCK_M < 64 that is all (Cfg::kL2TrailsL1), so a CTA
+  // that ends its L1 share early starts on L2 tiles; at BLOCK_M 64 a grid barrier comes first.
   PipelineState ps;
   int parity = 0;
   const bool is_producer = threadIdx.x < 32 && cute::elect_one_sync();
+  const TileScheduler<Cfg> l1_sched{tables, Cfg::kL1NumNBlocks}, l2_sched{tables, Cfg::kL2NumNBlocks};
   if (is_producer) {
-    produce_tiles<Cfg, false>(p, TileScheduler<Cfg>{tables, Cfg::kL1NumNBlocks}, sv, full, empty, ps);
+    produce_tiles<Cfg, false>(p, base, l1_sched, blockIdx.x, sv, full, empty, ps);
   } else if (threadIdx.x >= 32 && threadIdx.x < 128) {
-    convert_l1_tokens<Cfg>(p, TileScheduler<Cfg>{tables, Cfg::kL1NumNBlocks}, sv, full, tok_full, tok_empty);
+    convert_l1_tokens<Cfg>(p, l1_sched, sv, full, tok_full, tok_empty);
   } else if (threadIdx.x >= 128) {
-    math_phase<Cfg, false>(p, base, tables, sv, full, empty, tok_full, tok_empty, ps, amax_exchange, parity);
+    math_phase<Cfg, false>(p, base, tables, blockIdx.x, sv, full, empty, tok_full, tok_empty, ps, amax_exchange,
+                           parity);
   }
-  fence_generic_to_async();
-  grid_sync(p, signals);
-  if (p.stop_after_phase == 5) return;
+  if constexpr (!Cfg::kL2TrailsL1) {
+    fence_generic_to_async();  // act rows, written with plain stores, are read by TMA next
+    grid_sync(p, signals);
+  }
+  if (p.stop_after_phase == 5) return;  // the caller zeroes l1_done and the send counters (tools/phase_times.py)
+  const int l2_first = (blockIdx.x + gridDim.x - l1_sched.num_tiles() % gridDim.x) % gridDim.x;
   if (is_producer) {
-    produce_tiles<Cfg, true>(p, TileScheduler<Cfg>{tables, Cfg::kL2NumNBlocks}, sv, full, empty, ps);
+    produce_tiles<Cfg, true>(p, base, l2_sched, l2_first, sv, full, empty, ps);
   } else if (threadIdx.x >= 128) {
-    math_phase<Cfg, true>(p, base, tables, sv, full, empty, tok_full, tok_empty, ps, amax_exchange, parity);
+    math_phase<Cfg, true>(p, base, tables, l2_first, sv, full, empty, tok_full, tok_empty, ps, amax_exchange, parity);
   }
   __threadfence_system();
   rank_sync<Cfg::kNumRanks>(p, signals, rounds_before + 2);
@@ -164,7 +179,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
 
   // 7: combine, and leave the workspace ready for the next call.
   combine_tokens<Cfg>(p, base);
-  reset_send_counters<Cfg>(p, base);
+  reset_workspace<Cfg>(p, base, tables);
 }
 
 }  // namespace megamoe

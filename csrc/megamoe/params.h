@@ -17,6 +17,7 @@ enum ErrorCode : uint32_t {
   kErrRankBarrierTimeout = 2,
   kErrPipelineFullTimeout = 3,
   kErrPipelineEmptyTimeout = 4,
+  kErrL1RowsTimeout = 5,
 };
 
 // Input errors the kernel survives (it drops the offending entry and goes on), written to
@@ -28,7 +29,7 @@ enum InputError : uint32_t {
 // Byte offsets of the symmetric-buffer regions (megamoe_plugin/buffer.py defines them).
 struct BufferOffsets {
   int64_t x, x_sf, topk_idx, topk_weights;
-  int64_t send_count, send_cursor, send_offset, send_list, signals;
+  int64_t send_count, send_cursor, send_offset, send_list, signals, l1_done;
   int64_t pool_x, pool_sf, pool_weight, pool_src;
   int64_t act, act_sf, combine;
 };

@@ -62,6 +62,14 @@ __device__ __forceinline__ int atomic_add_release_gpu(int* ptr, int v) {
   return old;
 }
 
+__device__ __forceinline__ void red_add_release_gpu(int* ptr, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
+// Global memory written with ordinary stores and read next by TMA (the async proxy)
+// on another SM: the writer fences before publishing, the reader after acquiring.
+__device__ __forceinline__ void fence_generic_to_async() { cuda::ptx::fence_proxy_async(cuda::ptx::space_global); }
+
 __device__ __forceinline__ void red_add_release_sys(int* ptr, int v) {
   asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
