@@ -26,8 +26,8 @@ struct KernelConfig {
   // (m64nBLOCK_Mk32), so a tile with a few tokens does not pay for 64 rows of MMA.
   static constexpr bool kL2SwapAB = kBlockM < 64;
   // L2 tiles start as soon as their m-block's L1 tiles are done, without a grid barrier
-  // (kernel.cuh). Measured 5-8% faster at 1-128 tokens and 1-3% slower from 512 up
-  // (docs/results round 7/8), and at BLOCK_M 64 it makes ptxas spill.
+  // (kernel.cuh). Measured 1.6-4% faster at 1-32 tokens (docs/results round 8). At BLOCK_M 64
+  // it was 1-3% slower (round 7) and makes ptxas spill, so that tier keeps the barrier.
   static constexpr bool kL2TrailsL1 = kBlockM < 64;
   static constexpr int kSwapSubTiles = 2;  // m64 sub-tiles per warpgroup in swap-AB
   // Accumulator floats per math thread: 2 sub-tiles of m64nBLOCK_M (L1, swap-AB L2), or
