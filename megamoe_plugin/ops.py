@@ -175,18 +175,32 @@ def _forced_block_m() -> Optional[int]:
 
 
 def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool) -> KernelVariant:
+    """The kernel variant a call with `num_tokens` (per rank) runs: the shipped table, else the
+    heuristic; MEGAMOE_BLOCK_M forces the tier. Memoized, as it runs on every call."""
+    key = (buf.shape, _device_name(buf.device), _grid_size(buf), num_tokens, fast_math,
+           os.environ.get("MEGAMOE_BLOCK_M"))
+    variant = _variants.get(key)
+    if variant is None:
+        variant = _variants[key] = _select_variant(*key[:5])
+    return variant
+
+
+def _select_variant(s, device_name: str, grid_size: int, num_tokens: int, fast_math: bool) -> KernelVariant:
     from .configs import lookup_config
     from .heuristics import KernelConfig, default_num_stages
 
-    s = buf.shape
-    cfg = lookup_config(_device_name(buf.device), s.num_ranks, s.num_experts, s.num_topk, s.hidden,
-                        s.intermediate_size, num_tokens, _grid_size(buf))
+    cfg = lookup_config(device_name, s.num_ranks, s.num_experts, s.num_topk, s.hidden, s.intermediate_size,
+                        num_tokens, grid_size)
     forced = _forced_block_m()
     if forced is not None and forced != cfg.block_m:
         stages = default_num_stages(forced, s.num_local_experts, s.hidden, s.intermediate_size)
         cfg = KernelConfig(block_m=forced, num_stages=stages, num_sms=cfg.num_sms)
     return KernelVariant(s.hidden, s.intermediate_size, s.num_topk, s.num_experts, s.num_ranks, cfg.block_m,
                          cfg.num_stages, fast_math)
+
+
+# (buffer shape, device name, grid size, tokens, fast_math, MEGAMOE_BLOCK_M) -> variant.
+_variants: Dict[Tuple, KernelVariant] = {}
 
 
 _device_names: Dict[int, str] = {}

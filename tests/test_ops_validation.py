@@ -115,3 +115,21 @@ def test_forced_block_m_names_the_variable(monkeypatch, value):
     monkeypatch.setenv("MEGAMOE_BLOCK_M", value)
     with pytest.raises(ValueError, match="MEGAMOE_BLOCK_M must be one of the implemented tiers"):
         ops._forced_block_m()
+
+
+def test_select_variant_is_memoized_and_follows_forced_block_m(monkeypatch):
+    """select_variant runs on every call: the second lookup is the same object, and a
+    changed MEGAMOE_BLOCK_M still takes effect."""
+    from megamoe_plugin import ops
+
+    monkeypatch.setattr(ops, "_device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(ops, "_grid_size", lambda buf: 132)
+    monkeypatch.delenv("MEGAMOE_BLOCK_M", raising=False)
+    buf = mm.get_symm_buffer(None, 32, 512, 6, 4096, 2048, device="cpu")
+    first = ops.select_variant(buf, 512, True)
+    assert first.block_m == 64
+    assert ops.select_variant(buf, 512, True) is first
+    assert ops.select_variant(buf, 1, True).block_m == 8
+    assert ops.select_variant(buf, 512, False).fast_math is False
+    monkeypatch.setenv("MEGAMOE_BLOCK_M", "16")
+    assert ops.select_variant(buf, 512, True).block_m == 16
