@@ -235,10 +235,10 @@ def check_variants(variants: List[KernelVariant]) -> int:
 
 def reference_variants() -> List[KernelVariant]:
     """Every variant the heuristics pick for DESIGN.md section 8's reference configs, and
-    each implemented tier the heuristics do not pick yet (MEGAMOE_BLOCK_M, tuned tables)
-    once per reference shape on one rank."""
+    each implemented tier they pick for none of its token counts once per reference shape
+    on one rank (MEGAMOE_BLOCK_M, tuned tables)."""
     from .configs import REFERENCE_SHAPES, REFERENCE_TOKENS_PER_RANK
-    from .heuristics import IMPLEMENTED_BLOCK_M, SUPPORTED_BLOCK_M, default_config, default_num_stages
+    from .heuristics import IMPLEMENTED_BLOCK_M, default_config, default_num_stages
 
     variants = []
     for shape in REFERENCE_SHAPES.values():
@@ -253,7 +253,9 @@ def reference_variants() -> List[KernelVariant]:
                                       fast_math)
                     if v not in variants:
                         variants.append(v)
-        for block_m in sorted(set(IMPLEMENTED_BLOCK_M) - set(SUPPORTED_BLOCK_M)):
+        picked = {v.block_m for v in variants if (v.hidden, v.intermediate_size, v.num_topk, v.num_experts,
+                                                    v.num_ranks) == (hidden, inter, topk, num_local_experts, 1)}
+        for block_m in sorted(set(IMPLEMENTED_BLOCK_M) - picked):
             stages = default_num_stages(block_m, num_local_experts, hidden, inter)
             variants.append(KernelVariant(hidden, inter, topk, num_local_experts, 1, block_m, stages, True))
     return variants
