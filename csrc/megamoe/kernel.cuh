@@ -13,8 +13,8 @@
 //   2 list      send list grouped by expert                          -> rank_sync
 //   3 layout    read peers' counts for local experts, pool layout (per CTA, smem)
 //   4 pull      copy routed tokens from their ranks into the L1 pool -> grid_sync
-//   5 L1        gate/up GEMM, SwiGLU x weight, FP8 requant -> act    -> l1_done[m-block]
-//                                                                    (+ grid_sync at BLOCK_M 64)
+//   5 L1        gate/up GEMM, SwiGLU x weight, FP8 requant -> act    -> l1_done[m-block] at
+//                                                                       BLOCK_M < 64, else grid_sync
 //   6 L2        down GEMM, BF16 rows scattered to the token's rank   -> rank_sync
 //   7 combine   sum each token's slots into y; reset send counters and l1_done
 // At BLOCK_M < 64 L2 tiles trail L1 tiles: an L2 tile waits for the L1 tiles of its m-block
