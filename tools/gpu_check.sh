@@ -3,7 +3,9 @@
 # Usage (device tool, carry [".jitcache", ".whl"]): bash tools/gpu_check.sh [pytest args...]
 # Env: BENCH_ARGS (passed to benchmarks/bench_kernel.py; BENCH=0 skips it), TEST=0 skips tests,
 #      PHASES=1 adds tools/phase_times.py (PHASES_ARGS), NCU=1 adds an Nsight Compute report of
-#      one config (NCU_ARGS, default "--configs v4flash --tokens 1"), per phase. SANITIZER=1 adds
+#      one config (NCU_ARGS, default "--configs v4flash --tokens 1"), per phase, with the
+#      shared-memory tables (wavefronts, bank conflicts) and the pipe utilization (tensor);
+#      for L1 at BLOCK_M 64: NCU_ARGS="--configs v4flash --tokens 8192". SANITIZER=1 adds
 #      compute-sanitizer memcheck and racecheck of every BLOCK_M tier on a small shape.
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -30,7 +32,8 @@ if [ "${PHASES:-0}" != 0 ]; then
 fi
 if [ "${NCU:-0}" != 0 ]; then
   timeout "${NCU_TIMEOUT:-300}" ncu --profile-from-start off --clock-control none --section SpeedOfLight \
-      --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats -o "$OUT/profile" \
+      --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats -o "$OUT/profile" \
       python3 tools/phase_times.py ${NCU_ARGS:---configs v4flash --tokens 1} --iters 1 --profile > "$OUT/ncu.log" 2>&1
   ncu --import "$OUT/profile.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
   tail -5 "$OUT/ncu.log"; grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)" "$OUT/ncu_details.txt"
