@@ -18,7 +18,7 @@ import torch
 import megamoe_plugin as mm
 from bench_kernel import measure_fp8_rate, measure_hbm_bandwidth, median_call_seconds, rank_floor
 from megamoe_plugin.fp8 import quantize_per_token_group
-from megamoe_plugin.reference import calc_diff, mega_moe
+from megamoe_plugin.reference import calc_diff, mega_moe, token_rel_errors
 from megamoe_plugin.testing import random_layer, random_routing
 
 
@@ -31,11 +31,6 @@ def vllm_triton_moe(layer, block=128):
     quant = fp8_w8a8_moe_quant_config(w1_scale=ckpt["w13_scale"], w2_scale=ckpt["w2_scale"],
                                       block_shape=[block, block])
     return functools.partial(fused_experts, w1=ckpt["w13"], w2=ckpt["w2"], quant_config=quant)
-
-
-def worst_token_rel(y: torch.Tensor, ref: torch.Tensor) -> float:
-    y, ref = y.float(), ref.float()
-    return ((y - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)).max().item()
 
 
 def graphed(fn):
@@ -89,7 +84,7 @@ def main():
         x, x_sf = quantize_per_token_group(hidden)
         ref = mega_moe([dict(x=x, x_sf=x_sf, topk_idx=idx, topk_weights=weights)],
                        [layer.checkpoint], num_experts)[0]
-        errors = [(calc_diff(a, b), worst_token_rel(a, b)) for a, b in ((y, ref), (y_vllm, ref), (y, y_vllm))]
+        errors = [(calc_diff(a, b), token_rel_errors(a, b).max().item()) for a, b in ((y, ref), (y_vllm, ref), (y, y_vllm))]
 
         t_mm = median_call_seconds(graphed(megamoe), args.iters, flush.zero_)
         t_vllm = median_call_seconds(graphed(vllm), args.iters, flush.zero_)

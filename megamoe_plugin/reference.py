@@ -221,12 +221,20 @@ def calc_diff(y: torch.Tensor, ref: torch.Tensor) -> float:
     return 1.0 - 2.0 * float((y64 * ref64).sum()) / denominator
 
 
+def token_rel_errors(y: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """||y_t - ref_t|| / ||ref_t|| per token (row of the first dim), in float64. A token whose
+    reference row is exactly zero scores 0 only if its row is exactly zero too; NaN scores inf."""
+    y64, ref64 = y.double().flatten(1), ref.double().flatten(1)
+    ref_norm = ref64.norm(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
+    return torch.nan_to_num((y64 - ref64).norm(dim=1) / ref_norm, nan=math.inf)
+
+
 def error_summary(y: torch.Tensor, ref: torch.Tensor, max_token_rel: float = 1e-2) -> str:
     """One line on how far y is from ref: calc_diff, and the 99th percentile and maximum
     of the per-token relative L2 error with how many tokens exceed max_token_rel (the
     numerics tools in tools/ print it)."""
     y64, ref64 = y.double(), ref.double()
-    rel = (y64 - ref64).norm(dim=1) / ref64.norm(dim=1)
+    rel = token_rel_errors(y64, ref64)
     return (f"calc_diff {calc_diff(y64, ref64):.2e}, per-token p99 {float(rel.quantile(0.99)):.2e} "
             f"max {float(rel.max()):.2e}, {int((rel > max_token_rel).sum())} of {y.shape[0]} tokens over "
             f"{max_token_rel:.0e}")
@@ -251,8 +259,7 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, max_diff: float = 2e-4, max_
         problems.append(f"calc_diff={diff:.3e} > max_diff={max_diff:.1e}")
     worst_token = "no tokens"
     if y64.shape[0] > 0:
-        ref_norm = ref64.norm(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
-        token_rel = torch.nan_to_num((y64 - ref64).norm(dim=1) / ref_norm, nan=math.inf)
+        token_rel = token_rel_errors(y64, ref64)
         worst = int(token_rel.argmax())
         worst_token = (f"worst token {worst}: relative L2 error {float(token_rel[worst]):.3e}, "
                        f"|ref_t|={float(ref64[worst].norm()):.3e}")

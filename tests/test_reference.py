@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import megamoe_plugin.fp8 as fp8
-from megamoe_plugin.reference import calc_diff, check_close, error_summary, mega_moe
+from megamoe_plugin.reference import calc_diff, check_close, error_summary, mega_moe, token_rel_errors
 
 FP8_ROUNDING_MARGIN = 1e-6
 
@@ -335,6 +335,17 @@ def test_error_summary_counts_tokens_over_the_bound():
     line = error_summary(y, ref)
     assert "max 5.00e-02" in line and line.endswith("1 of 4 tokens over 1e-02")
     assert error_summary(y, ref, max_token_rel=1e-3).endswith("2 of 4 tokens over 1e-03")
+
+
+def test_token_rel_errors_zero_and_nan_rows():
+    """The per-token error check_close, error_summary and the benchmarks share: a zero
+    reference row scores 0 only when the output row is zero too, and NaN scores inf."""
+    ref = torch.tensor([[3.0, 4.0], [0.0, 0.0], [0.0, 0.0], [1.0, 0.0]])
+    y = torch.tensor([[3.0, 4.5], [0.0, 0.0], [1e-20, 0.0], [float("nan"), 0.0]])
+    rel = token_rel_errors(y, ref)
+    assert rel.dtype == torch.float64
+    assert rel[0].item() == pytest.approx(0.1) and rel[1].item() == 0.0
+    assert rel[2].item() > 1.0 and rel[3].item() == math.inf
 
 
 def test_check_close_accepts_and_rejects_precisely():
