@@ -307,7 +307,7 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
 // per-token bound of DESIGN.md section 2 (docs/results). Layout is swap-AB for every tier:
 // the weights are the WGMMA A operand, converted from the FP8 stage straight into registers
 // (ldmatrix + cvt, no shared-memory copy of the big operand), the BLOCK_M tokens the N side,
-// converted once per k-block into the warpgroup's FP16 staging tile.
+// converted once per k-block into an FP16 tile both math warpgroups read (convert_l1_tokens).
 //
 // K order: ldmatrix of the FP8 rows viewed as 16-bit pairs gives lane q of a quad the bytes
 // 4q..4q+3 of a 16-wide K slice, while an m64k16 A fragment wants K 2q, 2q+1 (registers 0,
@@ -395,11 +395,12 @@ __device__ void convert_l1_tokens(const KernelParams& p, const TileScheduler<Cfg
 // L1 main loop of one math warpgroup, every tier. Accumulator layout and scale contract as
 // mma_tile_swap: acc[i][4c + {0,1}] = weight row 64i + r0 (gate), acc[i][4c + {2,3}] = row
 // 64i + r0 + 8 (up), tokens 8c + 2q + {0,1}; `weight_scales(kb)` .x gate, .y up.
-// Per k-block: wait for the converters' FP16 tokens (convert_l1_tokens), then four quarters (sub-tile i, slices 4hh ..
-// 4hh + 3): load and convert a quarter's FP8 weight fragments while the WGMMAs of the one
-// before run (two fragment slots), 4 m64nBLOCK_Mk16 WGMMAs per quarter into the sub-tile's
-// fresh accumulator, promoted once both of its quarters are done. The stage goes back to the
-// producer once the last quarter's fragments are in registers.
+// Per k-block: wait for the converters' FP16 tokens (convert_l1_tokens), then four quarters
+// (sub-tile i, slices 4hh .. 4hh + 3): load and convert a quarter's FP8 weight fragments
+// while the WGMMAs of the one before run (two fragment slots), 4 m64nBLOCK_Mk16 WGMMAs per
+// quarter into the sub-tile's fresh accumulator, promoted once both of its quarters are
+// done. The stage goes back to the producer once the last quarter's fragments are in
+// registers.
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ void mma_tile_l1(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                             uint64_t* empty, uint64_t* tok_full, uint64_t* tok_empty,
