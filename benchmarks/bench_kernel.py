@@ -10,6 +10,7 @@ bandwidth) with time / floor. The ceilings are measured in the same run.
     torchrun --nproc-per-node 2 benchmarks/bench_kernel.py ...     # R = 2 over NVLink
 """
 import argparse
+import itertools
 import functools
 import os
 import statistics
@@ -129,6 +130,8 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-fast-math", dest="fast_math", action="store_false",
                         help="call with fast_math=False (exact SwiGLU math)")
+    parser.add_argument("--numerics", default="fast,exact",
+                        help="comma-separated numerics modes to time (DESIGN.md section 2): fast, exact")
     args = parser.parse_args()
     tokens_list = [int(t) for t in args.tokens.split(",")]
     rank, num_ranks, group = init_world()
@@ -154,8 +157,9 @@ def main():
             say(f"{num_ranks} x {torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, FP8 GEMM "
                 f"{fp8_rate / 1e12:.0f} TFLOP/s, fast_math={args.fast_math}" + (f", peer read {peer_bandwidth / 1e9:.0f} GB/s" if num_ranks > 1
                                                    else ""))
-            say(f"{'config':8s} {'tokens':>6s} {'time_us':>9s} {'TFLOPS':>7s} {'floor_us':>9s} {'ratio':>6s}")
-        for n in tokens_list:
+            say(f"{'config':8s} {'numerics':8s} {'tokens':>6s} {'time_us':>9s} {'TFLOPS':>7s} {'floor_us':>9s} "
+                f"{'ratio':>6s}")
+        for numerics, n in itertools.product(args.numerics.split(","), tokens_list):
             inputs = random_inputs(n, hidden, num_experts, topk, "uniform", "cuda", gen)
             fill_buffer(buf, inputs)
             y = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
@@ -166,7 +170,7 @@ def main():
                     dist.barrier(group)
 
             t = median_call_seconds(functools.partial(mm.fp8_mega_moe, y, layer.l1, layer.l2, buf,
-                                                      fast_math=args.fast_math), args.iters,
+                                                      fast_math=args.fast_math, numerics=numerics), args.iters,
                                     before_call)
             all_idx = [inputs["topk_idx"]]
             if group is not None:
@@ -177,8 +181,8 @@ def main():
                 t = max(per_rank)  # the slowest rank bounds the step
             floor, flops = rank_floor([i.cpu() for i in all_idx], rank, num_ranks, hidden, inter,
                                       (bandwidth, fp8_rate, peer_bandwidth))
-            say(f"{name:8s} {n:6d} {t * 1e6:9.1f} {flops / t / 1e12:7.1f} {floor * 1e6:9.1f} {t / floor:6.2f}",
-                flush=True)
+            say(f"{name:8s} {numerics:8s} {n:6d} {t * 1e6:9.1f} {flops / t / 1e12:7.1f} {floor * 1e6:9.1f} "
+                f"{t / floor:6.2f}", flush=True)
         del layer, buf
         torch.cuda.empty_cache()
 

@@ -11,7 +11,8 @@ Per rank, in order (every region 256-byte aligned):
   send side   send_count / send_cursor / send_offset [E] i32, send_list [N*K] i32:
               this rank's (token, slot) entries grouped by global expert, which the
               expert's owner pulls. Counts and cursors are zeroed by the kernel at exit.
-  signals     grid barrier, cross-rank barrier counter, call epoch (u32 each)
+  signals     barrier state that lives across calls (SIGNAL_WORDS, u32 each; wrap-safe,
+              csrc/megamoe/sync.cuh)
   l1_done     [ceil(P / MIN_BLOCK_M)] i32: per m-block of the pool, how many L1 tiles have stored
               their act rows; an L2 tile of that m-block starts when all have (no grid
               barrier between L1 and L2). Zeroed by the kernel at exit.
@@ -38,6 +39,14 @@ POOL_ALIGN_M = 128
 MIN_BLOCK_M = min(IMPLEMENTED_BLOCK_M)
 _REGION_ALIGN = 256
 NUM_SIGNAL_WORDS = 64
+# Words of the signals region (csrc/megamoe/params.h SignalWord; the JIT-generated kernel
+# source static_asserts these indices).
+SIGNAL_WORDS = {
+    "grid_arrivals": 0,      # CTAs at the current grid barrier; 0 between barriers
+    "grid_generation": 1,    # grid barriers completed, mod 2^32
+    "rank_barrier": 2,       # arrivals of all ranks at this rank's cross-rank barrier, mod 2^32
+    "rank_barrier_done": 3,  # cross-rank barriers completed, mod 2^32 (rank_barrier = done * R)
+}
 # Section 2 limits of DESIGN.md.
 MAX_TOPK = 16
 MAX_LOCAL_EXPERTS = 512

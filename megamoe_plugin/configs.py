@@ -209,11 +209,13 @@ class _Validator:
                 self.fail(f"{path}.block_m", f"{block_m} is not an implemented tier {IMPLEMENTED_BLOCK_M}")
         else:
             block_m = select_block_m(expected)
+        # A version-1 entry serves both numerics modes: it must fit the larger ("exact").
         if "num_stages" not in value:
-            num_stages = default_num_stages(block_m, shape.num_local_experts, shape.hidden, shape.intermediate_size)
+            num_stages = default_num_stages(block_m, shape.num_local_experts, shape.hidden, shape.intermediate_size,
+                                            numerics="exact")
         else:
             num_stages = self.check_int(value["num_stages"], f"{path}.num_stages", MIN_STAGES)
-            needed = smem_bytes(block_m, num_stages, shape.num_local_experts)
+            needed = smem_bytes(block_m, num_stages, shape.num_local_experts, "exact")
             if needed > SMEM_LIMIT:
                 self.fail(f"{path}.num_stages",
                           f"{num_stages} stages of block_m={block_m} with {shape.num_local_experts} local experts "
@@ -327,7 +329,7 @@ def generate_table(gpu_name: str = "NVIDIA H200", shapes: Sequence[TableShape] =
             entries[_format_expected(expected)] = {
                 "block_m": block_m,
                 "num_stages": default_num_stages(block_m, shape.num_local_experts, shape.hidden,
-                                                 shape.intermediate_size),
+                                                 shape.intermediate_size, numerics="exact"),
             }
         tables.append({"shape": shape._asdict(), "entries": entries})
     return {"gpu": gpu_name, "version": SCHEMA_VERSION, "note": GENERATED_NOTE, "tables": tables}

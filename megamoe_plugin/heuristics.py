@@ -36,6 +36,18 @@ SUPPORTED_BLOCK_M = (8, 16, 32, 64)
 # Round 7: 8 won up to 2 rows per expert, 16 at 6-8, 32 at 24 (v4flash), 64 at 32 (v3).
 _TIER_UPPER_BOUNDS = ((4.0, 8), (8.0, 16), (24.0, 32), (64.0, 64))
 
+# DESIGN.md section 2's two numerics modes: "fast" runs L1 on FP8 tensor cores (the default),
+# "exact" on FP16 tensor cores over the exact FP8 values (csrc/megamoe/config.cuh kExactL1).
+NUMERICS_MODES = ("fast", "exact")
+DEFAULT_NUMERICS = "fast"
+
+
+def check_numerics(numerics) -> str:
+    if numerics not in NUMERICS_MODES:
+        raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {numerics!r}")
+    return numerics
+
+
 # Opt-in dynamic shared memory per block on SM90 (227 KiB).
 SMEM_LIMIT = 232448
 STAGE_ALIGN = 1024
@@ -112,33 +124,35 @@ def _stage_bytes(block_m: int) -> int:
     return _align(raw, STAGE_ALIGN)
 
 
-def _fixed_bytes(block_m: int, num_local_experts: int) -> int:
+def _fixed_bytes(block_m: int, num_local_experts: int, numerics: str) -> int:
     amax_exchange = 2 * 8 * block_m * _F32_BYTES  # [2 parities][8 math warps][block_m]
     expert_tables = (_EXPERT_TABLE_WORDS * num_local_experts + 1) * _I32_BYTES
-    l1_token_scales = 2 * block_m * _F32_BYTES  # per k-block parity
-    l1_token_staging = 2 * block_m * BLOCK_K * _F16_BYTES  # per k-block parity
+    exact = check_numerics(numerics) == "exact"  # only exact L1 stages its tokens in FP16
+    l1_token_scales = 2 * block_m * _F32_BYTES if exact else 0  # per k-block parity
+    l1_token_staging = 2 * block_m * BLOCK_K * _F16_BYTES if exact else 0  # per k-block parity
     return (_align(_BARRIER_SCRATCH_BYTES + amax_exchange + expert_tables + l1_token_scales, STAGE_ALIGN)
             + l1_token_staging + _BASE_ALIGN_BYTES)
 
 
-def smem_bytes(block_m: int, num_stages: int, num_local_experts: int) -> int:
+def smem_bytes(block_m: int, num_stages: int, num_local_experts: int, numerics: str = DEFAULT_NUMERICS) -> int:
     """Dynamic shared memory one CTA needs, in bytes.
 
     num_stages pipeline stages (A tile, B tile, padded to 1024 bytes so every
     stage's tiles stay aligned for the TMA swizzle) plus the fixed part: 1024 bytes of
     mbarriers, the cross-warp amax exchange (double-buffered, 2 * 8 * block_m float32),
-    3 int32 tables per local expert, two (k-block parity) L1 token scale vectors (block_m
-    float32) and FP16 copies of the L1 token tile (block_m * 128 * 2 bytes), and 1024
-    bytes of slack to align the dynamic shared memory base.
+    3 int32 tables per local expert, in exact mode two (k-block parity) L1 token scale
+    vectors (block_m float32) and FP16 copies of the L1 token tile (block_m * 128 * 2
+    bytes), and 1024 bytes of slack to align the dynamic shared memory base.
     """
     _check_tier(block_m)
     _check_local_experts(num_local_experts)
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    return num_stages * _stage_bytes(block_m) + _fixed_bytes(block_m, num_local_experts)
+    return num_stages * _stage_bytes(block_m) + _fixed_bytes(block_m, num_local_experts, numerics)
 
 
-def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = SMEM_LIMIT) -> int:
+def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = SMEM_LIMIT,
+                        numerics: str = DEFAULT_NUMERICS) -> int:
     """Largest stage count whose `smem_bytes` fits in `smem_limit`.
 
     Raises ValueError when fewer than MIN_STAGES fit: with one stage the TMA producer
@@ -147,16 +161,17 @@ def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = 
     """
     _check_tier(block_m)
     _check_local_experts(num_local_experts)
-    stages = (smem_limit - _fixed_bytes(block_m, num_local_experts)) // _stage_bytes(block_m)
+    stages = (smem_limit - _fixed_bytes(block_m, num_local_experts, numerics)) // _stage_bytes(block_m)
     if stages < MIN_STAGES:
         raise ValueError(
             f"only {max(stages, 0)} pipeline stage(s) of block_m={block_m} fit in {smem_limit} bytes of shared "
-            f"memory with {num_local_experts} local experts; the kernel needs at least {MIN_STAGES}")
+            f"memory with {num_local_experts} local experts ({numerics} numerics); the kernel needs at least "
+            f"{MIN_STAGES}")
     return stages
 
 
 def default_num_stages(block_m: int, num_local_experts: int, hidden: int, intermediate_size: int,
-                       smem_limit: int = SMEM_LIMIT) -> int:
+                       smem_limit: int = SMEM_LIMIT, numerics: str = DEFAULT_NUMERICS) -> int:
     """Pipeline depth: as many stages as fit, at most MAX_STAGES, at most the k-blocks
     of the shorter GEMM (min(hidden, intermediate_size) / BLOCK_K), never below MIN_STAGES.
 
@@ -165,7 +180,7 @@ def default_num_stages(block_m: int, num_local_experts: int, hidden: int, interm
     that tile's loads, and past MAX_STAGES the latency is already covered.
     """
     useful = max(MIN_STAGES, min(hidden, intermediate_size) // BLOCK_K)
-    return min(max_pipeline_stages(block_m, num_local_experts, smem_limit), MAX_STAGES, useful)
+    return min(max_pipeline_stages(block_m, num_local_experts, smem_limit, numerics), MAX_STAGES, useful)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +218,7 @@ class KernelConfig:
 
 
 def default_config(num_ranks: int, num_experts: int, num_topk: int, hidden: int, intermediate_size: int,
-                   num_tokens: int, num_sms: int) -> KernelConfig:
+                   num_tokens: int, num_sms: int, numerics: str = DEFAULT_NUMERICS) -> KernelConfig:
     """The heuristic config for a call with num_tokens tokens per rank on num_sms SMs."""
     if num_experts % num_ranks != 0:
         raise ValueError(f"num_experts ({num_experts}) must be a multiple of num_ranks ({num_ranks})")
@@ -212,32 +227,6 @@ def default_config(num_ranks: int, num_experts: int, num_topk: int, hidden: int,
             raise ValueError(f"{name} must be a positive multiple of {BLOCK_K}, got {value}")
     expected = expected_tokens_per_expert(num_tokens, num_ranks, num_topk, num_experts)
     block_m = select_block_m(expected)
-    num_stages = default_num_stages(block_m, num_experts // num_ranks, hidden, intermediate_size)
+    num_stages = default_num_stages(block_m, num_experts // num_ranks, hidden, intermediate_size, numerics=numerics)
     return KernelConfig(block_m=block_m, num_stages=num_stages, num_sms=num_sms)
 
-
-def num_experts_per_wave(num_local_experts: int, expected_tokens: float, num_sms: int, block_m: int,
-                         intermediate_size: int) -> int:
-    """Local experts the scheduler should treat as one wave.
-
-    The scheduler runs experts in waves so that the L2 (down) GEMM of one wave starts
-    while the L1 (gate/up) GEMM of the next still runs: L2 of an expert depends only on
-    that expert's L1 output, so a wave's L2 tiles fill the gaps as its L1 tiles finish
-    and the L1 output pool only has to hold a wave or two. A wave must hold enough L1
-    tiles (ceil(expected_tokens / block_m) m-blocks, at least one since an expert with
-    any token costs one, times 2 * intermediate_size / BLOCK_N n-blocks, per expert)
-    to give each of the num_sms CTAs one, or SMs idle before L2 work exists; beyond
-    that, smaller waves start L2 sooner. The count is rounded up to a divisor of
-    num_local_experts so all waves are equal and no short tail wave leaves SMs idle.
-    """
-    _check_tier(block_m)
-    _check_local_experts(num_local_experts)
-    if expected_tokens < 0:
-        raise ValueError(f"expected_tokens must be >= 0, got {expected_tokens}")
-    if num_sms < 1:
-        raise ValueError(f"num_sms must be >= 1, got {num_sms}")
-    if intermediate_size < BLOCK_K or intermediate_size % BLOCK_K != 0:
-        raise ValueError(f"intermediate_size must be a positive multiple of {BLOCK_K}, got {intermediate_size}")
-    tiles_per_expert = max(1, math.ceil(expected_tokens / block_m)) * (2 * intermediate_size // BLOCK_N)
-    needed = min(num_local_experts, -(-num_sms // tiles_per_expert))
-    return next(d for d in range(needed, num_local_experts + 1) if num_local_experts % d == 0)

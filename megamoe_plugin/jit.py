@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, List, Optional, Union
 
+from .buffer import SIGNAL_WORDS
+from .heuristics import DEFAULT_NUMERICS, check_numerics
 from .paths import CSRC_DIR
 
 KERNEL_NAME = "megamoe_fused_kernel"
@@ -42,10 +44,18 @@ class KernelVariant:
     block_m: int
     num_stages: int
     fast_math: bool
+    numerics: str = DEFAULT_NUMERICS  # heuristics.NUMERICS_MODES
+
+    def __post_init__(self):
+        check_numerics(self.numerics)
 
     def source(self) -> str:
+        cpp_bool = {True: "true", False: "false"}
         cfg = (f"megamoe::KernelConfig<{self.hidden}, {self.intermediate_size}, {self.num_topk}, {self.num_experts}, "
-               f"{self.num_ranks}, {self.block_m}, {self.num_stages}, {'true' if self.fast_math else 'false'}>")
+               f"{self.num_ranks}, {self.block_m}, {self.num_stages}, {cpp_bool[self.fast_math]}, "
+               f"{cpp_bool[self.numerics == 'exact']}>")
+        signal_asserts = "".join(f"static_assert(megamoe::kSig{_camel(name)} == {index}, \"buffer.SIGNAL_WORDS\");\n"
+                                 for name, index in SIGNAL_WORDS.items())
         return (
             '#include "megamoe/kernel.cuh"\n'
             f"using Cfg = {cfg};\n"
@@ -53,11 +63,16 @@ class KernelVariant:
             f"{KERNEL_NAME}(const __grid_constant__ megamoe::KernelParams p) {{ megamoe::mega_moe<Cfg>(p); }}\n"
             f"static_assert(Cfg::kSmemBytes + 1024 == {smem_bytes_of(self)}, "
             f"\"heuristics.smem_bytes disagrees with config.cuh\");\n"
+            + signal_asserts
         )
 
     def name(self) -> str:
         return (f"h{self.hidden}_i{self.intermediate_size}_k{self.num_topk}_e{self.num_experts}_r{self.num_ranks}"
-                f"_bm{self.block_m}_st{self.num_stages}_fm{int(self.fast_math)}")
+                f"_bm{self.block_m}_st{self.num_stages}_fm{int(self.fast_math)}_{self.numerics}")
+
+
+def _camel(snake: str) -> str:
+    return "".join(part.capitalize() for part in snake.split("_"))
 
 
 def cache_dir() -> Path:
@@ -131,7 +146,7 @@ def smem_bytes_of(variant: KernelVariant) -> int:
     static_asserts that it equals the kernel's own KernelConfig::kSmemBytes + 1 KiB slack)."""
     from .heuristics import smem_bytes
 
-    return smem_bytes(variant.block_m, variant.num_stages, variant.num_experts // variant.num_ranks)
+    return smem_bytes(variant.block_m, variant.num_stages, variant.num_experts // variant.num_ranks, variant.numerics)
 
 
 def compile_variant(variant: KernelVariant, verbose: bool = False) -> CompiledKernel:

@@ -16,6 +16,7 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 
 from .buffer import SymmBuffer
+from .heuristics import DEFAULT_NUMERICS
 from .jit import NUM_THREADS, KERNEL_NAME, KernelVariant, compile_variant, compile_variants
 
 WeightPair = Tuple[torch.Tensor, torch.Tensor]
@@ -127,6 +128,20 @@ def _unpack_pair(pair, name: str) -> WeightPair:
     return pair[0], pair[1]
 
 
+def resolve_numerics(numerics: Optional[str]) -> str:
+    """The call's numerics mode (DESIGN.md section 2): the argument, else MEGAMOE_NUMERICS,
+    else "fast"."""
+    from .heuristics import DEFAULT_NUMERICS, NUMERICS_MODES
+
+    if numerics is None:
+        numerics = os.environ.get("MEGAMOE_NUMERICS") or DEFAULT_NUMERICS
+        if numerics not in NUMERICS_MODES:
+            raise ValueError(f"MEGAMOE_NUMERICS must be one of {NUMERICS_MODES}, got {numerics!r}")
+    elif numerics not in NUMERICS_MODES:
+        raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {numerics!r}")
+    return numerics
+
+
 def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats,
                   config_num_tokens=None) -> None:
     """Every check of a call, before anything is launched (DESIGN.md section 3)."""
@@ -174,32 +189,36 @@ def _forced_block_m() -> Optional[int]:
     return int(value)
 
 
-def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool) -> KernelVariant:
+def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool, numerics: str = DEFAULT_NUMERICS
+                   ) -> KernelVariant:
     """The kernel variant a call with `num_tokens` (per rank) runs: the shipped table, else the
     heuristic; MEGAMOE_BLOCK_M forces the tier. Memoized, as it runs on every call."""
-    key = (buf.shape, _device_name(buf.device), _grid_size(buf), num_tokens, fast_math,
+    key = (buf.shape, _device_name(buf.device), _grid_size(buf), num_tokens, fast_math, numerics,
            os.environ.get("MEGAMOE_BLOCK_M"))
     variant = _variants.get(key)
     if variant is None:
-        variant = _variants[key] = _select_variant(*key[:5])
+        variant = _variants[key] = variant_for(*key[:6], _forced_block_m())
     return variant
 
 
-def _select_variant(s, device_name: str, grid_size: int, num_tokens: int, fast_math: bool) -> KernelVariant:
+def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math: bool, numerics: str,
+                forced_block_m: Optional[int] = None) -> KernelVariant:
+    """select_variant without a buffer or a GPU, for a buffer of shape `s` (buffer.BufferShape)
+    on `grid_size` SMs of `device_name` (tests/gpu/cases.py precompiles with it)."""
     from .configs import lookup_config
     from .heuristics import KernelConfig, default_num_stages
 
     cfg = lookup_config(device_name, s.num_ranks, s.num_experts, s.num_topk, s.hidden, s.intermediate_size,
                         num_tokens, grid_size)
-    forced = _forced_block_m()
-    if forced is not None and forced != cfg.block_m:
-        stages = default_num_stages(forced, s.num_local_experts, s.hidden, s.intermediate_size)
-        cfg = KernelConfig(block_m=forced, num_stages=stages, num_sms=cfg.num_sms)
+    if forced_block_m is not None and forced_block_m != cfg.block_m:
+        stages = default_num_stages(forced_block_m, s.num_local_experts, s.hidden, s.intermediate_size,
+                                    numerics=numerics)
+        cfg = KernelConfig(block_m=forced_block_m, num_stages=stages, num_sms=cfg.num_sms)
     return KernelVariant(s.hidden, s.intermediate_size, s.num_topk, s.num_experts, s.num_ranks, cfg.block_m,
-                         cfg.num_stages, fast_math)
+                         cfg.num_stages, fast_math, numerics)
 
 
-# (buffer shape, device name, grid size, tokens, fast_math, MEGAMOE_BLOCK_M) -> variant.
+# (buffer shape, device name, grid size, tokens, fast_math, numerics, MEGAMOE_BLOCK_M) -> variant.
 _variants: Dict[Tuple, KernelVariant] = {}
 
 
@@ -261,13 +280,14 @@ def _params_handle(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, block_m: int
 
 
 def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Iterable[int],
-           fast_math: bool = True) -> int:
+           fast_math: bool = True, numerics: Optional[str] = None) -> int:
     """Compiles (several at once) and loads every kernel variant the given token counts
     select (call it before CUDA-graph capture). Returns how many distinct variants that is."""
     _require_sm90(buf.device)
+    numerics = resolve_numerics(numerics)
     variants = []
     for n in num_tokens_list:
-        v = select_variant(buf, int(n), fast_math)
+        v = select_variant(buf, int(n), fast_math, numerics)
         if v not in variants:
             variants.append(v)
     try:
@@ -291,7 +311,8 @@ def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Ite
 def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer,
                  activation_clamp: Optional[float] = None, fast_math: bool = True,
                  cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                 config_num_tokens: Optional[int] = None, _stop_after_phase: int = 0) -> torch.Tensor:
+                 config_num_tokens: Optional[int] = None, numerics: Optional[str] = None,
+                 _stop_after_phase: int = 0) -> torch.Tensor:
     """The fused MoE of DESIGN.md section 2 for this rank's first y.shape[0] tokens,
     whose inputs the caller wrote into buf.x / x_sf / topk_idx / topk_weights.
     Every rank of the buffer's group calls it each step (also with 0 tokens). Writes y.
@@ -300,13 +321,18 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
 
     `config_num_tokens` is the token count the kernel variant is chosen by (default
     y.shape[0]); pass a value equal on every rank (vLLM: the DP-padded batch size).
+    `numerics` is "fast" (L1 on FP8 tensor cores) or "exact" (L1 on FP16 tensor cores,
+    float32-faithful and batch-invariant), DESIGN.md section 2; None reads MEGAMOE_NUMERICS
+    (default "fast"). Every rank must pass the same mode.
     `_stop_after_phase` is for phase-by-phase kernel debugging (csrc/megamoe/kernel.cuh
     numbers the phases); a stopped call leaves the send counters for the caller to zero."""
     validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats, config_num_tokens)
+    numerics = resolve_numerics(numerics)
     _require_sm90(buf.device)
     raise_input_errors()
     num_tokens = y.shape[0]
-    variant = select_variant(buf, num_tokens if config_num_tokens is None else config_num_tokens, fast_math)
+    variant = select_variant(buf, num_tokens if config_num_tokens is None else config_num_tokens, fast_math,
+                             numerics)
     kernel = _kernel_handle(buf.device, variant)
     params = _params_handle(buf, tuple(l1), tuple(l2), variant.block_m)
     stats = cumulative_local_expert_recv_stats

@@ -212,6 +212,14 @@ def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[st
     return (ys, intermediates) if return_intermediates else ys
 
 
+# DESIGN.md section 2's bounds per numerics mode, (calc_diff, every token's relative L2 error),
+# against the exact reference. Fast mode has a second check at full strictness, against the
+# reference whose L1 is FP8 tensor cores per 128-K block (testing.fp8_tensor_core_l1): it is
+# what catches a wrong scale, a missing K block or a race in an FP8 L1.
+NUMERICS_BOUNDS = {"exact": (2e-4, 1e-2), "fast": (5e-5, 3e-2)}
+FAST_VS_FP8_TENSOR_CORE_BOUNDS = (2e-4, 1e-2)
+
+
 def calc_diff(y: torch.Tensor, ref: torch.Tensor) -> float:
     """1 - 2 * sum(y * ref) / sum(y^2 + ref^2) in float64; 0.0 when both are all zero."""
     y64, ref64 = y.double(), ref.double()

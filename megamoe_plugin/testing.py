@@ -86,6 +86,24 @@ def reset_after_stopped_call(buf) -> None:
         buf.view(name).zero_()
 
 
+def set_barrier_state(bufs, grid_generation: int, rank_rounds_done: int) -> None:
+    """Puts the barrier state that lives across calls (buffer.SIGNAL_WORDS) of every rank's
+    buffer at the given counts (mod 2^32), as if that many barriers had run: a test starts it
+    next to a wrap point (2^31, 2^32) and runs calls across it. Call between calls only."""
+    from .buffer import SIGNAL_WORDS
+
+    def as_int32(value: int) -> int:  # the region is int32: the same 32 bits
+        value %= 1 << 32
+        return value - (1 << 32) if value >= 1 << 31 else value
+
+    for buf in bufs:
+        signals = buf.view("signals")
+        signals[SIGNAL_WORDS["grid_arrivals"]] = 0
+        signals[SIGNAL_WORDS["grid_generation"]] = as_int32(grid_generation)
+        signals[SIGNAL_WORDS["rank_barrier"]] = as_int32(rank_rounds_done * buf.num_ranks)
+        signals[SIGNAL_WORDS["rank_barrier_done"]] = as_int32(rank_rounds_done)
+
+
 def fill_buffer(buf, inputs: Dict[str, torch.Tensor]) -> int:
     """Writes one rank's quantized inputs into its symmetric buffer; returns n."""
     n = inputs["x"].shape[0]
@@ -120,10 +138,42 @@ def fp8_tensor_core_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_s
 
 
 def reference_outputs(inputs: List[Dict[str, torch.Tensor]], layers: List[Layer], num_experts: int,
-                      activation_clamp: Optional[float] = None) -> List[torch.Tensor]:
-    """The exact reference (DESIGN.md section 2) for these ranks' inputs."""
+                      activation_clamp: Optional[float] = None, l1_gemm=None) -> List[torch.Tensor]:
+    """The exact reference (DESIGN.md section 2) for these ranks' inputs; with
+    l1_gemm=fp8_tensor_core_l1, the one whose L1 is computed by FP8 tensor cores."""
     from . import reference
 
     ranks = [{k: v for k, v in r.items() if k != "hidden_states"} for r in inputs]
     return reference.mega_moe(ranks, [layer.checkpoint for layer in layers], num_experts,
-                              activation_clamp=activation_clamp)
+                              activation_clamp=activation_clamp, l1_gemm=l1_gemm)
+
+
+def output_errors(ys: List[torch.Tensor], inputs: List[Dict[str, torch.Tensor]], layers: List[Layer],
+                  num_experts: int, numerics: str, activation_clamp: Optional[float] = None) -> List[Optional[str]]:
+    """Each rank's output against DESIGN.md section 2 for `numerics`: None where it passes,
+    else what failed. Exact mode: the exact reference at NUMERICS_BOUNDS["exact"]. Fast mode:
+    the exact reference at NUMERICS_BOUNDS["fast"], and the FP8-tensor-core reference at
+    FAST_VS_FP8_TENSOR_CORE_BOUNDS (CUDA only)."""
+    from .reference import FAST_VS_FP8_TENSOR_CORE_BOUNDS, NUMERICS_BOUNDS, check_close
+
+    checks = [("exact reference", None, NUMERICS_BOUNDS[numerics])]
+    if numerics == "fast":
+        checks.append(("FP8-tensor-core reference", fp8_tensor_core_l1, FAST_VS_FP8_TENSOR_CORE_BOUNDS))
+    errors: List[Optional[str]] = [None] * len(ys)
+    for name, l1_gemm, (max_diff, max_token_rel) in checks:
+        refs = reference_outputs(inputs, layers, num_experts, activation_clamp, l1_gemm)
+        for r, (y, ref) in enumerate(zip(ys, refs)):
+            try:
+                check_close(y, ref, max_diff, max_token_rel)
+            except AssertionError as exc:
+                errors[r] = errors[r] or f"{numerics} numerics vs the {name}: {exc}"
+    return errors
+
+
+def check_outputs(ys: List[torch.Tensor], inputs: List[Dict[str, torch.Tensor]], layers: List[Layer],
+                  num_experts: int, numerics: str, activation_clamp: Optional[float] = None) -> None:
+    """output_errors as an assertion that names the failing ranks."""
+    failures = [f"rank {r}: {e}" for r, e in enumerate(output_errors(ys, inputs, layers, num_experts, numerics,
+                                                                       activation_clamp)) if e is not None]
+    if failures:
+        raise AssertionError("\n".join(failures))

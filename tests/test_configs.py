@@ -63,7 +63,7 @@ def test_load_table_parses_and_sorts(tmp_path):
     assert list(table.shapes) == [shape]
     assert table.shapes[shape] == ShapeTable(
         expected_tokens=(0.5, 4.0, 64.0),
-        entries=(TunedEntry(64, default_num_stages(64, 32, 4096, 2048)), TunedEntry(8, 3), TunedEntry(64, 4)))
+        entries=(TunedEntry(64, default_num_stages(64, 32, 4096, 2048, numerics="exact")), TunedEntry(8, 3), TunedEntry(64, 4)))
 
 
 def test_load_table_without_file_is_none(tmp_path):
@@ -193,7 +193,7 @@ def test_lookup_config_fills_partial_entries_from_the_heuristic(tmp_path):
     obj["tables"][0]["entries"] = {"1": {"num_stages": 3}, "64": {"block_m": 64}}
     write(tmp_path, obj)
     assert (lookup(tmp_path, 4).block_m, lookup(tmp_path, 4).num_stages) == (8, 3)  # block_m for 1 row per expert
-    assert lookup(tmp_path, 256).num_stages == default_num_stages(64, 32, 4096, 2048)
+    assert lookup(tmp_path, 256).num_stages == default_num_stages(64, 32, 4096, 2048, numerics="exact")
 
 
 def test_lookup_config_falls_back_to_the_heuristic(tmp_path):

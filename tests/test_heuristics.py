@@ -9,6 +9,7 @@ from megamoe_plugin.heuristics import (
     BLOCK_M_TIERS,
     MAX_STAGES,
     MIN_STAGES,
+    NUMERICS_MODES,
     SMEM_LIMIT,
     SUPPORTED_BLOCK_M,
     KernelConfig,
@@ -16,7 +17,6 @@ from megamoe_plugin.heuristics import (
     default_num_stages,
     expected_tokens_per_expert,
     max_pipeline_stages,
-    num_experts_per_wave,
     select_block_m,
     smem_bytes,
 )
@@ -90,10 +90,19 @@ def test_select_block_m_rejects(expected, tiers):
 
 def test_smem_bytes_worked_example():
     # Stage: 64*128 A + 256*128 B = 40960 (40 KiB, already 1024-aligned).
-    # Fixed: 1024 barriers + 2*8*64*4 amax + (3*32+1)*4 expert tables + 2*64*4 L1 token scales
-    # = 5988 -> 6144, + 2*64*128*2 L1 token staging, + 1024 alignment.
-    assert smem_bytes(64, 4, 32) == 4 * 40960 + 6144 + 32768 + 1024 == 203776
-    assert max_pipeline_stages(64, 32) == 4
+    # Fixed, exact: 1024 barriers + 2*8*64*4 amax + (3*32+1)*4 expert tables + 2*64*4 L1 token
+    # scales = 5988 -> 6144, + 2*64*128*2 L1 token staging, + 1024 alignment.
+    assert smem_bytes(64, 4, 32, "exact") == 4 * 40960 + 6144 + 32768 + 1024 == 203776
+    assert max_pipeline_stages(64, 32, numerics="exact") == 4
+    # Fast: no token scales or staging: 1024 + 4096 + 388 = 5508 -> 6144, + 1024.
+    assert smem_bytes(64, 5, 32, "fast") == 5 * 40960 + 6144 + 1024 == 211968
+    assert max_pipeline_stages(64, 32, numerics="fast") == 5
+    assert smem_bytes(64, 4, 32) == smem_bytes(64, 4, 32, "fast")  # fast is the default
+
+
+def test_numerics_is_checked():
+    with pytest.raises(ValueError, match=r"numerics must be one of \('fast', 'exact'\), got 'fp8'"):
+        smem_bytes(64, 4, 32, "fp8")
 
 
 @pytest.mark.parametrize("block_m", BLOCK_M_TIERS)
@@ -104,10 +113,11 @@ def test_stages_are_1024_aligned_and_hold_their_tiles(block_m):
 
 
 def test_max_pipeline_stages_fits_for_every_tier_and_expert_count():
-    for block_m, experts in itertools.product(BLOCK_M_TIERS, LOCAL_EXPERTS):
-        stages = max_pipeline_stages(block_m, experts)
+    for block_m, experts, numerics in itertools.product(BLOCK_M_TIERS, LOCAL_EXPERTS, NUMERICS_MODES):
+        stages = max_pipeline_stages(block_m, experts, numerics=numerics)
         assert stages >= MIN_STAGES
-        assert smem_bytes(block_m, stages, experts) <= SMEM_LIMIT < smem_bytes(block_m, stages + 1, experts)
+        assert (smem_bytes(block_m, stages, experts, numerics) <= SMEM_LIMIT
+                < smem_bytes(block_m, stages + 1, experts, numerics))
 
 
 def test_max_pipeline_stages_refuses_fewer_than_two():
@@ -126,8 +136,9 @@ def test_smem_bytes_rejects(args):
 
 
 def test_default_num_stages_caps():
-    assert default_num_stages(64, 32, 7168, 2048) == 4  # what fits
-    assert default_num_stages(64, 32, 2048, 768) == 4  # 6 k-blocks: fit binds first
+    assert default_num_stages(64, 32, 7168, 2048, numerics="exact") == 4  # what fits
+    assert default_num_stages(64, 32, 7168, 2048) == 5  # fast: no FP16 token staging
+    assert default_num_stages(64, 32, 2048, 768, numerics="exact") == 4  # 6 k-blocks: fit binds first
     assert default_num_stages(64, 32, 4096, 384) == 3  # 3 k-blocks
     assert default_num_stages(64, 32, 128, 128) == MIN_STAGES  # 1 k-block, but never below 2
     assert default_num_stages(32, 1, 16384, 16384, smem_limit=1 << 30) == MAX_STAGES
@@ -179,36 +190,3 @@ def test_default_config_invariants_across_limits():
 def test_default_config_rejects(args, message):
     with pytest.raises(ValueError, match=message):
         default_config(*args)
-
-
-def test_num_experts_per_wave_examples():
-    # v3 at 8 tokens/rank, EP1: 2 rows per expert -> 1 m-block x 16 n-blocks; 132 SMs need 9 experts -> 16 | 32.
-    assert num_experts_per_wave(32, 2.0, 132, 64, 2048) == 16
-    # 2048 rows per expert -> 32 x 16 = 512 tiles: one expert already fills the GPU.
-    assert num_experts_per_wave(32, 2048.0, 132, 64, 2048) == 1
-    # Too little work in all experts together: one wave of everything.
-    assert num_experts_per_wave(4, 0.0, 132, 64, 128) == 4
-    # Prime expert count: the only divisors are 1 and the count itself.
-    assert num_experts_per_wave(7, 1.0, 20, 64, 512) == 7
-
-
-def test_num_experts_per_wave_divides_fills_and_is_minimal():
-    rng = random.Random(1)
-    for local in LOCAL_EXPERTS:
-        for _ in range(6):
-            expected = rng.choice((0.0, 0.3, 1.0, 63.9, 64.0, 65.0, rng.uniform(0, 2000)))
-            sms, block_m, inter = rng.choice(SM_COUNTS), rng.choice(BLOCK_M_TIERS), rng.choice(DIMS)
-            wave = num_experts_per_wave(local, expected, sms, block_m, inter)
-            tiles = max(1, math.ceil(expected / block_m)) * (2 * inter // 256)
-            assert 1 <= wave <= local and local % wave == 0
-            assert wave == local or wave * tiles >= sms
-            smaller = [d for d in range(1, wave) if local % d == 0]
-            assert not smaller or smaller[-1] * tiles < sms
-
-
-@pytest.mark.parametrize("args", [(0, 1.0, 132, 64, 2048), (32, -1.0, 132, 64, 2048), (32, 1.0, 0, 64, 2048),
-                                  (32, 1.0, 132, 96, 2048), (32, 1.0, 132, 64, 1000)])
-def test_num_experts_per_wave_rejects(args):
-    with pytest.raises(ValueError):
-        num_experts_per_wave(*args)
-

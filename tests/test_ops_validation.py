@@ -72,6 +72,7 @@ def _bad_cases(layer, buf):
         ("stats shape", dict(cumulative_local_expert_recv_stats=torch.zeros(E + 1, dtype=torch.int32)), ValueError,
          "cumulative_local_expert_recv_stats must have shape"),
         ("config_num_tokens", dict(config_num_tokens=-1), ValueError, "config_num_tokens must be a non-negative int"),
+        ("numerics", dict(numerics="fp8"), ValueError, r"numerics must be one of \('fast', 'exact'\), got 'fp8'"),
     ]
 
 
@@ -115,6 +116,35 @@ def test_forced_block_m_names_the_variable(monkeypatch, value):
     monkeypatch.setenv("MEGAMOE_BLOCK_M", value)
     with pytest.raises(ValueError, match="MEGAMOE_BLOCK_M must be one of the implemented tiers"):
         ops._forced_block_m()
+
+
+def test_numerics_default_comes_from_the_environment(monkeypatch):
+    from megamoe_plugin import ops
+
+    monkeypatch.delenv("MEGAMOE_NUMERICS", raising=False)
+    assert ops.resolve_numerics(None) == "fast"
+    monkeypatch.setenv("MEGAMOE_NUMERICS", "exact")
+    assert ops.resolve_numerics(None) == "exact"
+    assert ops.resolve_numerics("fast") == "fast"  # the argument wins
+    monkeypatch.setenv("MEGAMOE_NUMERICS", "fp16")
+    with pytest.raises(ValueError, match=r"MEGAMOE_NUMERICS must be one of \('fast', 'exact'\), got 'fp16'"):
+        ops.resolve_numerics(None)
+
+
+def test_select_variant_carries_the_numerics_mode(monkeypatch):
+    """The variant (and with it the JIT cache key and the cubin's name) differs per mode."""
+    from megamoe_plugin import jit, ops
+
+    monkeypatch.setattr(ops, "_device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(ops, "_grid_size", lambda buf: 132)
+    monkeypatch.delenv("MEGAMOE_BLOCK_M", raising=False)
+    buf = mm.get_symm_buffer(None, 32, 512, 6, 4096, 2048, device="cpu")
+    fast, exact = (ops.select_variant(buf, 512, True, numerics) for numerics in ("fast", "exact"))
+    assert (fast.numerics, exact.numerics) == ("fast", "exact")
+    assert fast.name() != exact.name() and fast.name().endswith("_fast")
+    assert "true>" in exact.source().split("\n")[1] and "false>" in fast.source().split("\n")[1]
+    with pytest.raises(ValueError, match="numerics must be one of"):
+        jit.KernelVariant(4096, 2048, 6, 32, 1, 64, 4, True, "fp8")
 
 
 def test_select_variant_is_memoized_and_follows_forced_block_m(monkeypatch):

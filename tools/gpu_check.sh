@@ -6,7 +6,9 @@
 #      one config (NCU_ARGS, default "--configs v4flash --tokens 1"), per phase, with the
 #      shared-memory tables (wavefronts, bank conflicts) and the pipe utilization (tensor);
 #      for L1 at BLOCK_M 64: NCU_ARGS="--configs v4flash --tokens 8192". SANITIZER=1 adds
-#      compute-sanitizer memcheck and racecheck of every BLOCK_M tier on a small shape.
+#      compute-sanitizer memcheck and racecheck of every BLOCK_M tier on a small shape, in each
+#      numerics mode. PRECOMPILE=1 first compiles (all CPUs) whatever the tests load that the
+#      carried cache lacks (python -m tests.gpu.cases). SOAK=1 adds tools/soak.py (SOAK_ARGS).
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # MEGAMOE_CACHE_DIR and WHEELS default to this tree's .jitcache and .whl; set them to run
@@ -21,11 +23,19 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 rc=0
+if [ "${PRECOMPILE:-0}" != 0 ]; then
+  ls "$MEGAMOE_CACHE_DIR" 2>/dev/null | grep -v "^\." | wc -l | sed 's/^/cubins carried: /'
+  timeout "${PRECOMPILE_TIMEOUT:-300}" python3 -m tests.gpu.cases > "$OUT/precompile.log" 2>&1
+  tail -1 "$OUT/precompile.log"
+fi
 if [ "${TEST:-1}" != 0 ]; then
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -s -rs --timeout 300 tests/gpu tests/test_staging.py "$@" 2>&1 | tee "$OUT/tests.log"; rc=$?
 fi
 if [ "${BENCH:-1}" != 0 ]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_kernel.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
+if [ "${SOAK:-0}" != 0 ]; then
+  timeout "${SOAK_TIMEOUT:-300}" python3 tools/soak.py ${SOAK_ARGS:-} 2>&1 | tee "$OUT/soak.log" || rc=1
 fi
 if [ "${PHASES:-0}" != 0 ]; then
   timeout "${PHASES_TIMEOUT:-300}" python3 tools/phase_times.py ${PHASES_ARGS:-} 2>&1 | tee "$OUT/phase_times.txt"
@@ -39,12 +49,16 @@ if [ "${NCU:-0}" != 0 ]; then
   tail -5 "$OUT/ncu.log"; grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)" "$OUT/ncu_details.txt"
 fi
 if [ "${SANITIZER:-0}" != 0 ]; then
+  for numerics in ${SANITIZER_NUMERICS:-fast exact}; do
   for tool in memcheck racecheck; do
-    for bm in 8 16 32 64; do  # the sanitizer slows the kernel far past the default wait bound
-      MEGAMOE_BLOCK_M=$bm MEGAMOE_TIMEOUT_S=300 timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool $tool \
-          --error-exitcode 1 python3 tools/debug_phases.py 384 256 4 4 16 --phases 0 > "$OUT/sanitizer_${tool}_bm$bm.txt" 2>&1
-      echo "compute-sanitizer $tool BLOCK_M $bm: exit $? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer_${tool}_bm$bm.txt" | tail -1)"
+    for bm in ${SANITIZER_TIERS:-8 16 32 64}; do  # the sanitizer slows the kernel far past the default wait bound
+      log="$OUT/sanitizer_${numerics}_${tool}_bm$bm.txt"
+      MEGAMOE_NUMERICS=$numerics MEGAMOE_BLOCK_M=$bm MEGAMOE_TIMEOUT_S=300 timeout "${SANITIZER_TIMEOUT:-300}" \
+          compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/debug_phases.py 384 256 4 4 16 --phases 0 \
+          > "$log" 2>&1
+      echo "compute-sanitizer $numerics $tool BLOCK_M $bm: exit $? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -1)"
     done
+  done
   done | tee "$OUT/sanitizer.txt"
   grep -q "exit 0" "$OUT/sanitizer.txt" && ! grep -qv "exit 0" "$OUT/sanitizer.txt" || rc=1
 fi

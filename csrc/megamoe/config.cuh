@@ -6,7 +6,7 @@
 namespace megamoe {
 
 template <int kHidden_, int kInter_, int kTopk_, int kNumExperts_, int kNumRanks_, int kBlockM_, int kNumStages_,
-          bool kFastMath_>
+          bool kFastMath_, bool kExactL1_>
 struct KernelConfig {
   static constexpr int kHidden = kHidden_;
   static constexpr int kInter = kInter_;
@@ -17,14 +17,18 @@ struct KernelConfig {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kNumStages = kNumStages_;
   static constexpr bool kFastMath = kFastMath_;
+  // numerics="exact" (DESIGN.md s.2): L1 on FP16 tensor cores over the exact FP8 values
+  // (gemm.cuh mma_tile_l1). Otherwise ("fast") L1 runs on FP8 tensor cores like L2, promoted
+  // into float32 every 128 K.
+  static constexpr bool kExactL1 = kExactL1_;
 
   // A GEMM tile is BLOCK_M pool rows x 256 weight rows x 128 (K); math warpgroup w
-  // computes weight rows [128w, 128w+128). L1 is always swap-AB on FP16 tensor cores
+  // computes weight rows [128w, 128w+128). Exact L1 is always swap-AB on FP16 tensor cores
   // (weight rows on the WGMMA M side as two m64 sub-tiles per warpgroup, pool rows the N
-  // side, m64nBLOCK_Mk16; gemm.cuh mma_tile_l1). L2 runs on FP8 tensor cores: BLOCK_M 64
-  // with pool rows on the M side (m64n128k32), BLOCK_M 8/16/32 (decode tiers) swap-AB
+  // side, m64nBLOCK_Mk16; gemm.cuh mma_tile_l1). FP8 GEMMs (L2, and L1 in fast mode): BLOCK_M
+  // 64 with pool rows on the M side (m64n128k32), BLOCK_M 8/16/32 (decode tiers) swap-AB
   // (m64nBLOCK_Mk32), so a tile with a few tokens does not pay for 64 rows of MMA.
-  static constexpr bool kL2SwapAB = kBlockM < 64;
+  static constexpr bool kFp8SwapAB = kBlockM < 64;
   // L2 tiles start as soon as their m-block's L1 tiles are done, without a grid barrier
   // (kernel.cuh). Measured 1.6-4% faster at 1-32 tokens (docs/results round 8). At BLOCK_M 64
   // it was 1-3% slower (round 7) and makes ptxas spill, so that tier keeps the barrier.
@@ -36,10 +40,9 @@ struct KernelConfig {
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 128;
   static constexpr int kWgN = 128;
-  // L2 only: K depth accumulated inside FP8 WGMMA before promotion to float32 registers.
-  // L1 runs on FP16 tensor cores instead (gemm.cuh, mma_tile_l1): FP8 accumulation flips
-  // requantized act codes and misses DESIGN.md section 2's per-token bound even when
-  // promoted every 32 K (docs/results).
+  // FP8 GEMMs: K depth accumulated inside FP8 WGMMA before promotion to float32 registers.
+  // Exact L1 runs on FP16 tensor cores instead (gemm.cuh, mma_tile_l1): FP8 accumulation
+  // flips ~1% of the requantized act codes, even when promoted every 32 K (docs/results).
   static constexpr int kPromoteK = 128;
   // L1: 256 interleaved gate/up rows = 128 outputs = exactly one requant group.
   static constexpr int kL1NumNBlocks = 2 * kInter / kBlockN;
@@ -60,12 +63,13 @@ struct KernelConfig {
   static constexpr int kAmaxSlots = kNumMathThreads / 32;
   static constexpr int kSmemTables = kSmemAmax + 2 * kAmaxSlots * kBlockM * 4;
   // int32 exp_start[E_l], exp_count[E_l], mblk_prefix[E_l + 1]
-  // float [2 k-block parities][BLOCK_M]: the L1 k-block's token scales
+  // Exact L1 only: float [2 k-block parities][BLOCK_M], the L1 k-block's token scales
   static constexpr int kSmemTokenScales = kSmemTables + (3 * kNumLocalExperts + 1) * 4;
-  static constexpr int kSmemStaging = align_up(kSmemTokenScales + 2 * kBlockM * 4, 1024);
-  // L1: the stage's token tile in FP16 (BLOCK_M x 128 K, two 64-wide K atoms of [BLOCK_M][128 B],
-  // 128B swizzle), the B operand of both math warpgroups' WGMMAs, one per k-block parity.
-  static constexpr int kL1TokenBytes = kBlockM * kBlockK * 2;
+  static constexpr int kSmemStaging = align_up(kSmemTokenScales + (kExactL1 ? 2 * kBlockM * 4 : 0), 1024);
+  // Exact L1 only: the stage's token tile in FP16 (BLOCK_M x 128 K, two 64-wide K atoms of
+  // [BLOCK_M][128 B], 128B swizzle), the B operand of both math warpgroups' WGMMAs, one per
+  // k-block parity.
+  static constexpr int kL1TokenBytes = kExactL1 ? kBlockM * kBlockK * 2 : 0;
   static constexpr int kSmemStages = kSmemStaging + 2 * kL1TokenBytes;
   static constexpr int kStageA = kBlockM * kBlockK;
   static constexpr int kStageB = kBlockN * kBlockK;

@@ -1,8 +1,10 @@
 // GEMM epilogues, run by the math warpgroups on their register accumulators.
 //
-// L1 (l1_epilogue_swap, every tier): the 256 interleaved weight rows of a tile are gate/up
-// pairs of 128 outputs (one requant group); a token's amax is reduced over the 8 math warps
-// through shared memory (named barrier 1), then all quantize with the same float32 scale.
+// L1: the 256 interleaved weight rows of a tile are gate/up pairs of 128 outputs (one
+// requant group); a token's amax is reduced over the math warps through shared memory
+// (named barrier 1), then all quantize with the same float32 scale. l1_epilogue_swap takes
+// the swap-AB accumulators (exact L1, and fast L1 below BLOCK_M 64), l1_epilogue the
+// m64n128 ones (fast L1 at BLOCK_M 64).
 // Then publish_l1_tile counts the tile into l1_done[m-block] (its L2 tiles wait on it).
 // L2: BF16 rows are stored straight into the combine buffer of the rank that owns the
 // token (over NVLink for remote tokens), at the token's (slot) position.
@@ -39,6 +41,70 @@ __device__ __forceinline__ void publish_l1_tile(const KernelParams& p, uint8_t* 
   named_barrier_sync(kEpilogueBarrierId, Cfg::kNumMathThreads);
   if (threadIdx.x == Cfg::kNumThreads - Cfg::kNumMathThreads)
     red_add_release_gpu(reinterpret_cast<int*>(base + p.off.l1_done) + global_m_block<Cfg>(tables, t), 1);
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// Fast L1 at BLOCK_M 64 (gemm.cuh mma_tile): acc is this warpgroup's m64n128 accumulator,
+// pool rows r0 and r0 + 8, weight rows in 8-wide chunks that alternate gate (even chunk 2j)
+// and up (odd chunk 2j + 1) of output 64 wg + 8 j + 2 q + {0, 1}. A row's amax spans both
+// warpgroups' 64 outputs: the quad reduces its own, the two warpgroups meet in shared memory.
+template <class Cfg>
+__device__ __forceinline__ void l1_epilogue(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
+                                            const Tile& t, int wg, const FragCoord& fc, const float* acc,
+                                            float* amax_exchange, int parity) {
+  const int row_base = tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
+  const int valid_rows = tables.exp_count[t.expert] - t.m_block * Cfg::kBlockM;
+  const bool valid[2] = {fc.r0 < valid_rows, fc.r0 + 8 < valid_rows};
+  const float* pool_weight = reinterpret_cast<const float*>(base + p.off.pool_weight);
+  float w[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) w[half] = valid[half] ? __ldcg(pool_weight + row_base + fc.r0 + 8 * half) : 0.f;
+  const float clamp = p.activation_clamp;
+
+  // act[4j + i]: output pair j (gate chunk 2j, up chunk 2j + 1), fragment slot i (rows r0 for
+  // i < 2, r0 + 8 otherwise).
+  float act[32];
+  float amax[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float gate = fminf(acc[8 * j + i], clamp);
+      const float up = fminf(fmaxf(acc[8 * j + 4 + i], -clamp), clamp);
+      const float v = silu<Cfg::kFastMath>(gate) * up * w[i / 2];
+      act[4 * j + i] = v;
+      amax[i / 2] = fmaxf(amax[i / 2], fabsf(v));
+    }
+  }
+  float* mine = amax_exchange + (parity * 2 + wg) * Cfg::kBlockM;
+  const float* other = amax_exchange + (parity * 2 + (wg ^ 1)) * Cfg::kBlockM;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) amax[half] = quad_max(amax[half]);
+  if (fc.q == 0) mine[fc.r0] = amax[0], mine[fc.r0 + 8] = amax[1];
+  named_barrier_sync(kEpilogueBarrierId, Cfg::kNumMathThreads);
+
+  uint8_t* act_out = base + p.off.act;
+  const int col_base = t.n_block * 128 + 64 * wg + 2 * fc.q;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (!valid[half]) continue;
+    const float scale = fmaxf(fmaxf(amax[half], other[fc.r0 + 8 * half]), kScaleEps) / kFp8Max;
+    const int row = row_base + fc.r0 + 8 * half;
+    uint8_t* out = act_out + (int64_t)row * Cfg::kInter + col_base;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float2 v = make_float2(act[4 * j + 2 * half], act[4 * j + 2 * half + 1]);
+      if constexpr (Cfg::kFastMath) v.x *= 1.f / scale, v.y *= 1.f / scale;
+      else v.x /= scale, v.y /= scale;
+      *reinterpret_cast<__nv_fp8x2_storage_t*>(out + 8 * j) = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
+    }
+    if (wg == 0 && fc.q == 0)
+      reinterpret_cast<float*>(base + p.off.act_sf)[(int64_t)t.n_block * p.pool_capacity + row] = scale;
+  }
 }
 
 // Transposes a 4x4 block of 32-bit values across the 4 lanes of a quad: lane q holds
@@ -94,8 +160,8 @@ __device__ __forceinline__ void l2_epilogue(const KernelParams& p, uint8_t* base
   }
 }
 
-// Swap-AB epilogues (L1: every tier, gemm.cuh mma_tile_l1; L2: BLOCK_M 8/16/32,
-// mma_tile_swap): a thread holds weight rows
+// Swap-AB epilogues (L1: exact mode, gemm.cuh mma_tile_l1, and fast mode below BLOCK_M 64,
+// mma_tile_swap; L2: BLOCK_M 8/16/32, mma_tile_swap): a thread holds weight rows
 // 64i + r0 and 64i + r0 + 8 of its warpgroup's 128 for tokens 8c + 2q + {0,1}.
 //
 // L1: with the interleave of 8, rows 64i + r0 and 64i + r0 + 8 are the gate and up rows

@@ -2,8 +2,8 @@
 //
 // Roles (warp -> role):
 //   warps 0-3  (warpgroup 0)  dispatch / combine worker; warp 0's elected lane is the
-//                             TMA producer during the GEMM phases; in L1 warps 1-3 convert
-//                             each stage's tokens to FP16 once (gemm.cuh convert_l1_tokens)
+//                             TMA producer during the GEMM phases; in exact L1 warps 1-3
+//                             convert each stage's tokens to FP16 once (gemm.cuh convert_l1_tokens)
 //   warps 4-7  (warpgroup 1)  math: WGMMA on weight rows [0, 128) of each 256-row tile, epilogues
 //   warps 8-11 (warpgroup 2)  math: weight rows [128, 256)
 //   All warps take part in dispatch, pull and combine.
@@ -70,7 +70,7 @@ __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base,
         const float s = in_range ? __ldg(sb + kb) : 0.f;
         return make_float2(s, s);
       };
-      if constexpr (Cfg::kL2SwapAB) {
+      if constexpr (Cfg::kFp8SwapAB) {
         mma_tile_swap<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
         l2_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc);
       } else {
@@ -81,9 +81,17 @@ __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base,
       // w13_scale [E_l, I/128, 2 (gate, up), H/128]: the tile's n-block is the requant group.
       const float* sb = p.w13_scale + ((int64_t)t.expert * (Cfg::kInter / 128) + t.n_block) * 2 * Cfg::kL1NumKBlocks;
       const auto weight_scales = [&](int kb) { return make_float2(__ldg(sb + kb), __ldg(sb + Cfg::kL1NumKBlocks + kb)); };
-      mma_tile_l1<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, tok_full, tok_empty, ps, tok, wg, fc, acc,
-                                           weight_scales);
-      l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
+      if constexpr (Cfg::kExactL1) {
+        mma_tile_l1<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, tok_full, tok_empty, ps, tok, wg, fc, acc,
+                                             weight_scales);
+        l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
+      } else if constexpr (Cfg::kFp8SwapAB) {
+        mma_tile_swap<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
+        l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
+      } else {
+        mma_tile<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
+        l1_epilogue<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
+      }
       if constexpr (Cfg::kL2TrailsL1) publish_l1_tile<Cfg>(p, base, tables, t);
       parity ^= 1;
     }
@@ -109,8 +117,8 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   int* scratch = reinterpret_cast<int*>(sv.stages);  // dispatch phases only
 
   uint8_t* base = p.peer_base[p.rank];
-  int* signals = reinterpret_cast<int*>(base + p.off.signals);
-  const int rounds_before = rank_rounds_done(signals);  // read before CTA 0 can advance it
+  uint32_t* signals = reinterpret_cast<uint32_t*>(base + p.off.signals);
+  const uint32_t rounds_before = rank_rounds_done(signals);  // read before CTA 0 can advance it
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kNumStages; ++s) {
@@ -157,7 +165,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   if (is_producer) {
     produce_tiles<Cfg, false>(p, base, l1_sched, blockIdx.x, sv, full, empty, ps);
   } else if (threadIdx.x >= 32 && threadIdx.x < 128) {
-    convert_l1_tokens<Cfg>(p, l1_sched, sv, full, tok_full, tok_empty);
+    if constexpr (Cfg::kExactL1) convert_l1_tokens<Cfg>(p, l1_sched, sv, full, tok_full, tok_empty);
   } else if (threadIdx.x >= 128) {
     math_phase<Cfg, false>(p, base, tables, blockIdx.x, sv, full, empty, tok_full, tok_empty, ps, amax_exchange,
                            parity);

@@ -34,11 +34,14 @@ struct BufferOffsets {
   int64_t act, act_sf, combine;
 };
 
-// Indices into the int32 `signals` region.
+// Indices into the uint32 `signals` region (megamoe_plugin/buffer.py SIGNAL_WORDS names the
+// same indices; the JIT-generated source static_asserts that they agree). sync.cuh says
+// why none of them can overflow.
 enum SignalWord : int {
-  kSigGridBarrier = 0,      // monotonically increasing arrivals of this rank's CTAs
-  kSigRankBarrier = 1,      // arrivals of all ranks at this rank (peers add remotely)
-  kSigRankBarrierDone = 2,  // how many cross-rank barriers this rank has completed
+  kSigGridArrivals = 0,     // this rank's CTAs at the current grid barrier (back to 0 after each)
+  kSigGridGeneration = 1,   // grid barriers completed (mod 2^32)
+  kSigRankBarrier = 2,      // arrivals of all ranks at this rank (peers add remotely), mod 2^32
+  kSigRankBarrierDone = 3,  // cross-rank barriers this rank has completed, mod 2^32
 };
 
 // TMA descriptors, built once per (buffer, weights) and kept in device memory

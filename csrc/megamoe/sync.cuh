@@ -50,16 +50,10 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
   return v;
 }
 
-__device__ __forceinline__ int ld_acquire_sys(const int* ptr) {
-  int v;
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* ptr) {
+  uint32_t v;
   asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
   return v;
-}
-
-__device__ __forceinline__ int atomic_add_release_gpu(int* ptr, int v) {
-  int old;
-  asm volatile("atom.add.release.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
-  return old;
 }
 
 __device__ __forceinline__ void red_add_release_gpu(int* ptr, int v) {
@@ -70,59 +64,87 @@ __device__ __forceinline__ void red_add_release_gpu(int* ptr, int v) {
 // on another SM: the writer fences before publishing, the reader after acquiring.
 __device__ __forceinline__ void fence_generic_to_async() { cuda::ptx::fence_proxy_async(cuda::ptx::space_global); }
 
-__device__ __forceinline__ void red_add_release_sys(int* ptr, int v) {
-  asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+__device__ __forceinline__ void red_add_release_sys(uint32_t* ptr, uint32_t v) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
 
-// Grid-wide barrier over this rank's CTAs. The counter only grows (no reset between
-// calls): each arrival round ends at the next multiple of gridDim.x.
-__device__ __forceinline__ void grid_sync(const KernelParams& p, int* signals) {
+// Every counter that lives across calls is wrap-safe by construction (DESIGN.md s.4: a
+// server calls the kernel billions of times):
+//   - the grid barrier's arrival count resets itself (atom.inc wraps to 0 at the grid size),
+//     so it is 0 between barriers whatever the history; its waiters watch a generation word
+//     for a change (!=), which is correct across 2^32;
+//   - the cross-rank arrival count and the round number only ever grow by whole rounds of
+//     kNumRanks (mod 2^32) and are compared by signed difference, correct while the two are
+//     within 2^31 of each other (they differ by at most one round).
+// tests/gpu/test_wrap.py starts both next to 2^31 and 2^32 and runs calls across the edge.
+
+// The arrival of one CTA at this rank's grid counter; true for the last of gridDim.x, which
+// leaves the counter at 0. acq_rel: the last arrival acquires every earlier one (they form
+// one release sequence on the counter).
+__device__ __forceinline__ bool arrive_grid(uint32_t* counter) {
+  uint32_t old;
+  asm volatile("atom.inc.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(gridDim.x - 1) : "memory");
+  return old == gridDim.x - 1;
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* ptr) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(uint32_t* ptr, uint32_t v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
+// Grid-wide barrier over this rank's CTAs. The generation is read before arriving (the
+// arrival's release orders the read first), so it is the one this barrier ends: it cannot
+// change before every CTA, this one included, has arrived.
+__device__ __forceinline__ void grid_sync(const KernelParams& p, uint32_t* signals) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* counter = signals + kSigGridBarrier;
-    const int old = atomic_add_release_gpu(counter, 1);
-    const int target = (old / (int)gridDim.x + 1) * (int)gridDim.x;
-    bounded_wait(p, kErrGridBarrierTimeout, [&] { return ld_acquire_gpu(counter) - target >= 0; }, 2);
+    uint32_t* generation = signals + kSigGridGeneration;
+    const uint32_t gen = *reinterpret_cast<volatile uint32_t*>(generation);
+    if (arrive_grid(signals + kSigGridArrivals)) {
+      st_release_gpu(generation, gen + 1);
+    } else {
+      bounded_wait(p, kErrGridBarrierTimeout, [&] { return ld_acquire_gpu(generation) != gen; }, 2);
+    }
   }
   __syncthreads();
 }
 
-__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* ptr, int v) {
-  int old;
-  asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
-  return old;
-}
+// a >= b for counters mod 2^32 that are within 2^31 of each other.
+__device__ __forceinline__ bool reached(uint32_t a, uint32_t b) { return static_cast<int32_t>(a - b) >= 0; }
 
 // Barrier over every CTA of every rank, in one round: each CTA arrives on this rank's
 // grid counter; the last to arrive (which has acquired every other CTA's arrival)
 // signals every rank once; every CTA then waits until all ranks have signalled.
 // Memory written before it (local or to peers) is visible to every rank after it.
 // Writers to peer memory must have issued __threadfence_system() before arriving.
-// `round` counts this rank's cross-rank barriers since the buffer was made: every CTA
-// reads the count at kernel start (rank_rounds_done) and passes done + i for the i-th
-// barrier of the call; CTA 0 advances the stored count.
+// `round` counts this rank's cross-rank barriers since the buffer was made (mod 2^32):
+// every CTA reads the count at kernel start (rank_rounds_done) and passes done + i for
+// the i-th barrier of the call; CTA 0 advances the stored count.
 template <int kNumRanks>
-__device__ __forceinline__ void rank_sync(const KernelParams& p, int* signals, int round) {
+__device__ __forceinline__ void rank_sync(const KernelParams& p, uint32_t* signals, uint32_t round) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    const int old = atomic_add_acq_rel_gpu(signals + kSigGridBarrier, 1);
-    if (old % (int)gridDim.x == (int)gridDim.x - 1) {
+    if (arrive_grid(signals + kSigGridArrivals)) {
       __threadfence_system();
       for (int r = 0; r < kNumRanks; ++r) {
-        int* peer_signals = reinterpret_cast<int*>(p.peer_base[r] + p.off.signals);
+        uint32_t* peer_signals = reinterpret_cast<uint32_t*>(p.peer_base[r] + p.off.signals);
         red_add_release_sys(peer_signals + kSigRankBarrier, 1);
       }
     }
-    const int target = round * kNumRanks;
-    bounded_wait(p, kErrRankBarrierTimeout,
-                 [&] { return ld_acquire_sys(signals + kSigRankBarrier) - target >= 0; });
+    const uint32_t target = round * kNumRanks;
+    bounded_wait(p, kErrRankBarrierTimeout, [&] { return reached(ld_acquire_sys(signals + kSigRankBarrier), target); });
     if (blockIdx.x == 0) signals[kSigRankBarrierDone] = round;
   }
   __syncthreads();
 }
 
-// The number of cross-rank barriers this rank completed in earlier calls.
-__device__ __forceinline__ int rank_rounds_done(const int* signals) { return signals[kSigRankBarrierDone]; }
+// The number of cross-rank barriers this rank completed in earlier calls (mod 2^32).
+__device__ __forceinline__ uint32_t rank_rounds_done(const uint32_t* signals) { return signals[kSigRankBarrierDone]; }
 
 // mbarrier helpers (CTA scope, shared memory).
 __device__ __forceinline__ void mbar_wait(const KernelParams& p, uint64_t* bar, uint32_t parity, uint32_t code) {

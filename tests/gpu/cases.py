@@ -35,6 +35,14 @@ SHAPES = [
 ]
 
 
+# The e2e model's MoE layer (tools/e2e, benchmarks/bench_vs_vllm.py, tests/gpu/test_vllm_shaped.py):
+# Qwen3-30B-A3B's experts, 128 on one GPU, top-8.
+def _e2e_shape():
+    from megamoe_plugin.configs import TableShape
+
+    return TableShape(num_local_experts=128, hidden=2048, intermediate_size=768, num_topk=8)
+
+
 # Shapes for the forced swap-AB tiers (tests/gpu/test_swap_tiers.py): H an odd multiple
 # of 128, the e2e model's shape, and a large H with few tokens.
 SWAP_TIERS = (8, 16, 32)
@@ -45,41 +53,51 @@ SWAP_SHAPES = [
 ]
 
 
-def call_variants(num_ranks, num_experts, topk, hidden, inter, max_tokens, num_sms, fast_maths=(True, False)):
-    """Every variant a call with 0..max_tokens tokens per rank can select on an H200
-    (ops.select_variant: the shipped table, else the heuristic)."""
-    from megamoe_plugin.configs import lookup_config
-    from megamoe_plugin.jit import KernelVariant
+def call_variants(num_ranks, num_experts, topk, hidden, inter, max_tokens, num_sms, fast_maths=(True, False),
+                  forced_block_m=None):
+    """Every variant a call with 0..max_tokens tokens per rank can select on an H200, in both
+    numerics modes (ops.select_variant: the shipped table, else the heuristic; MEGAMOE_BLOCK_M
+    = forced_block_m)."""
+    from megamoe_plugin.buffer import BufferShape
+    from megamoe_plugin.heuristics import NUMERICS_MODES
+    from megamoe_plugin.ops import variant_for
 
-    configs = {lookup_config("NVIDIA H200", num_ranks, num_experts, topk, hidden, inter, n, num_sms)
-               for n in range(max_tokens + 1)}
-    return [KernelVariant(hidden, inter, topk, num_experts, num_ranks, cfg.block_m, cfg.num_stages, fast_math)
-            for cfg in sorted(configs, key=lambda c: c.block_m) for fast_math in fast_maths]
+    shape = BufferShape(num_ranks, num_experts, max_tokens, topk, hidden, inter)
+    return list(dict.fromkeys(
+        variant_for(shape, "NVIDIA H200", num_sms, n, fast_math, numerics, forced_block_m)
+        for n in range(max_tokens + 1) for fast_math in fast_maths for numerics in NUMERICS_MODES))
 
 
 def variants():
-    from megamoe_plugin.heuristics import default_num_stages
-    from megamoe_plugin.jit import KernelVariant
-
     from .multi_rank import MULTI_RANK_SHAPES
+    from .test_wrap import SHAPE as WRAP_SHAPE
 
     out = []
     for hidden, inter, topk, local_experts, max_tokens, _ in MULTI_RANK_SHAPES:
         for num_ranks in (2, 4):
             out += call_variants(num_ranks, local_experts * num_ranks, topk, hidden, inter, max_tokens,
                                  132 // num_ranks, (True,))
-    # benchmarks/bench_kernel.py under torchrun on two GPUs (32 local experts per rank).
+    hidden, inter, topk, local_experts, max_tokens, _ = WRAP_SHAPE
+    for num_ranks in (1, 2):
+        out += call_variants(num_ranks, local_experts * num_ranks, topk, hidden, inter, max_tokens,
+                             132 // num_ranks, (True,))
+    # benchmarks/bench_kernel.py on one GPU (every reference shape, as `python -m megamoe_plugin.tune` and
+    # benchmarks/bench_vs_vllm.py's e2e layer) and under torchrun on two GPUs (v3, v4flash).
+    from megamoe_plugin.configs import REFERENCE_SHAPES
+
+    for ref in list(REFERENCE_SHAPES.values()) + [_e2e_shape()]:
+        out += call_variants(1, ref.num_local_experts, ref.num_topk, ref.hidden, ref.intermediate_size, 8192, 132,
+                             (True,))
     for hidden, inter, topk in ((7168, 2048, 8), (4096, 2048, 6)):
         out += call_variants(2, 64, topk, hidden, inter, 8192, 132, (True,))
     for s in SWAP_SHAPES:
         for block_m in SWAP_TIERS:
-            for fast_math in (True, False):
-                stages = default_num_stages(block_m, s.local_experts, s.hidden, s.intermediate)
-                out.append(KernelVariant(s.hidden, s.intermediate, s.topk, s.local_experts, 1, block_m, stages,
-                                         fast_math))
+            out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132,
+                                 forced_block_m=block_m)
     for s in SHAPES:
         out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132)
     out += call_variants(2, 8, 2, 384, 256, 16, 132 // 2, (True,))  # tests/gpu/test_timeout.py
+    out += call_variants(1, 16, 8, 2048, 768, 256, 132, (True,))  # tools/soak.py
     return list(dict.fromkeys(out))
 
 

@@ -1,14 +1,14 @@
 """What the one-GPU kernel tests share (test_kernel.py, test_swap_tiers.py): seeded
 generators, a layer and buffer per shape, a NaN-poisoned timed call, and the sequence
-of calls with changing token counts, routings, clamp and fast_math on one buffer."""
+of calls with changing token counts, routings, clamp and fast_math on one buffer, each
+judged by DESIGN.md section 2's checks for its numerics mode (testing.check_outputs)."""
 import itertools
 import math
 
 import torch
 
 import megamoe_plugin as mm
-from megamoe_plugin.reference import check_close
-from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer, reference_outputs
+from megamoe_plugin.testing import check_outputs, fill_buffer, random_inputs, random_layer
 
 
 class SeedStream:
@@ -29,20 +29,20 @@ def layer_and_buffer(s, generator: torch.Generator):
     return layer, buf
 
 
-def run(buf, layer, inputs, clamp=None, fast_math=True, stats=None):
+def run(buf, layer, inputs, numerics, clamp=None, fast_math=True, stats=None):
     """One call on NaN-poisoned output; returns (y, device microseconds)."""
     n = fill_buffer(buf, inputs)
     y = torch.full((n, buf.hidden), math.nan, dtype=torch.bfloat16, device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, activation_clamp=clamp, fast_math=fast_math,
-                    cumulative_local_expert_recv_stats=stats)
+                    cumulative_local_expert_recv_stats=stats, numerics=numerics)
     end.record()
     mm.ops.synchronize()
     return y, start.elapsed_time(end) * 1e3
 
 
-def check_call_sequence(s, layer, buf, seeds: SeedStream, label=""):
+def check_call_sequence(s, layer, buf, seeds: SeedStream, numerics, label=""):
     """Consecutive calls on one buffer: n max, 1, 0, odd; every routing; clamp and
     fast_math on and off; each against the reference, and the recv stats exact."""
     stats = torch.zeros(s.local_experts, dtype=torch.int32, device="cuda")
@@ -58,17 +58,16 @@ def check_call_sequence(s, layer, buf, seeds: SeedStream, label=""):
     ]
     for n, routing, clamp, fast_math in plan:
         inputs = random_inputs(n, s.hidden, s.local_experts, s.topk, routing, "cuda", seeds.next_generator())
-        y, us = run(buf, layer, inputs, clamp, fast_math, stats)
-        ref = reference_outputs([inputs], [layer], s.local_experts, activation_clamp=clamp)[0]
-        print(f"\n  {s}{label} n={n} {routing} clamp={clamp} fast_math={fast_math}: {us:.1f} us", end="")
-        check_close(y, ref)
+        y, us = run(buf, layer, inputs, numerics, clamp, fast_math, stats)
+        print(f"\n  {s}{label} {numerics} n={n} {routing} clamp={clamp} fast_math={fast_math}: {us:.1f} us", end="")
+        check_outputs([y], [inputs], [layer], s.local_experts, numerics, activation_clamp=clamp)
         valid = inputs["topk_idx"][inputs["topk_idx"] >= 0]
         expected_stats += torch.bincount(valid, minlength=s.local_experts)
         assert torch.equal(stats.long(), expected_stats), "cumulative_local_expert_recv_stats is wrong"
 
 
-def check_repeatable(s, layer, buf, seeds: SeedStream):
+def check_repeatable(s, layer, buf, seeds: SeedStream, numerics):
     """The same inputs three times give bit-identical outputs (a moving result is a race)."""
     inputs = random_inputs(s.max_tokens, s.hidden, s.local_experts, s.topk, "uniform", "cuda", seeds.next_generator())
-    outs = [run(buf, layer, inputs)[0] for _ in range(3)]
+    outs = [run(buf, layer, inputs, numerics)[0] for _ in range(3)]
     assert all(torch.equal(outs[0], o) for o in outs[1:]), "outputs differ between identical calls"

@@ -2,7 +2,7 @@
 
 Run on an H200: `python -m pytest -q -s tests/gpu`. Every output is poisoned with NaN
 before the call so unwritten rows fail; inputs are fresh random draws per case.
-Every check holds the kernel to DESIGN.md section 2's bounds against the exact reference.
+Every test runs in both numerics modes, held to DESIGN.md section 2's checks for the mode.
 """
 import math
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import megamoe_plugin as mm
-from megamoe_plugin.reference import check_close
-from megamoe_plugin.testing import fill_buffer, random_inputs, reference_outputs
+from megamoe_plugin.heuristics import NUMERICS_MODES
+from megamoe_plugin.testing import check_outputs, fill_buffer, random_inputs
 
 from .cases import SHAPES
 from .single_gpu import SeedStream, check_call_sequence, check_repeatable, layer_and_buffer
@@ -26,31 +26,34 @@ def setup(request):
     return (s, *layer_and_buffer(s, _generator()))
 
 
-def test_token_counts_and_routings(setup):
+@pytest.mark.parametrize("numerics", NUMERICS_MODES)
+def test_token_counts_and_routings(setup, numerics):
     """Consecutive calls on one buffer: changing n (max, 1, 0, odd), every routing,
     clamp on/off, fast_math on/off; recv stats exact."""
-    check_call_sequence(*setup, _seeds)
+    check_call_sequence(*setup, _seeds, numerics)
 
 
-def test_repeatable(setup):
+@pytest.mark.parametrize("numerics", NUMERICS_MODES)
+def test_repeatable(setup, numerics):
     """The same inputs three times give bit-identical outputs (a moving result is a race)."""
-    check_repeatable(*setup, _seeds)
+    check_repeatable(*setup, _seeds, numerics)
 
 
-def test_cuda_graph_replay(setup):
+@pytest.mark.parametrize("numerics", NUMERICS_MODES)
+def test_cuda_graph_replay(setup, numerics):
     """Capture once, then replay with new inputs written into the same buffer."""
     s, layer, buf = setup
     n = s.max_tokens // 2 + 1
     y = torch.empty(n, s.hidden, dtype=torch.bfloat16, device="cuda")
     fill_buffer(buf, random_inputs(n, s.hidden, s.local_experts, s.topk, "uniform", "cuda", _generator()))
-    mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)  # compiles and builds descriptors outside the capture
+    mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, numerics=numerics)  # compiles, builds descriptors: not in capture
     mm.ops.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         with torch.cuda.graph(graph, stream=stream):
-            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
+            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, numerics=numerics)
     torch.cuda.current_stream().wait_stream(stream)
     for routing in ("uniform", "masked"):
         inputs = random_inputs(n, s.hidden, s.local_experts, s.topk, routing, "cuda", _generator())
@@ -58,14 +61,16 @@ def test_cuda_graph_replay(setup):
         y.fill_(math.nan)
         graph.replay()
         mm.ops.synchronize()
-        check_close(y, reference_outputs([inputs], [layer], s.local_experts)[0])
+        check_outputs([y], [inputs], [layer], s.local_experts, numerics)
 
 
-def test_warmup_loads_every_variant_the_token_counts_select(setup):
+@pytest.mark.parametrize("numerics", NUMERICS_MODES)
+def test_warmup_loads_every_variant_the_token_counts_select(setup, numerics):
     """ops.warmup (run by the vLLM glue before graph capture) compiles the selected variants
     at once and loads each: afterwards no call in that range compiles or loads."""
     s, layer, buf = setup
     counts = range(s.max_tokens + 1)
-    expected = {mm.ops.select_variant(buf, n, True) for n in counts}
-    assert mm.ops.warmup(buf, layer.l1, layer.l2, counts) == len(expected)
+    expected = {mm.ops.select_variant(buf, n, True, numerics) for n in counts}
+    assert all(v.numerics == numerics for v in expected)
+    assert mm.ops.warmup(buf, layer.l1, layer.l2, counts, numerics=numerics) == len(expected)
     assert all((buf.device.index, v) in mm.ops._kernels for v in expected)

@@ -5,6 +5,7 @@ an H that is an odd multiple of 128, clamp and fast_math, bit-identical repeats.
 import pytest
 
 import megamoe_plugin as mm
+from megamoe_plugin.heuristics import NUMERICS_MODES
 
 from .cases import SWAP_SHAPES, SWAP_TIERS
 from .single_gpu import SeedStream, check_call_sequence, check_repeatable, layer_and_buffer
@@ -18,15 +19,17 @@ def setup(request):
     return (s, *layer_and_buffer(s, _seeds.next_generator()))
 
 
+@pytest.mark.parametrize("numerics", NUMERICS_MODES)
 @pytest.mark.parametrize("block_m", SWAP_TIERS)
-def test_swap_tier(setup, block_m, monkeypatch):
+def test_swap_tier(setup, block_m, numerics, monkeypatch):
     s, _, buf = setup
     monkeypatch.setenv("MEGAMOE_BLOCK_M", str(block_m))
-    assert mm.ops.select_variant(buf, s.max_tokens, True).block_m == block_m
-    check_call_sequence(*setup, _seeds, label=f" BLOCK_M {block_m}")
+    assert mm.ops.select_variant(buf, s.max_tokens, True, numerics).block_m == block_m
+    check_call_sequence(*setup, _seeds, numerics, label=f" BLOCK_M {block_m}")
 
 
+@pytest.mark.parametrize("numerics", NUMERICS_MODES)
 @pytest.mark.parametrize("block_m", SWAP_TIERS)
-def test_swap_tier_repeatable(setup, block_m, monkeypatch):
+def test_swap_tier_repeatable(setup, block_m, numerics, monkeypatch):
     monkeypatch.setenv("MEGAMOE_BLOCK_M", str(block_m))
-    check_repeatable(*setup, _seeds)
+    check_repeatable(*setup, _seeds, numerics)

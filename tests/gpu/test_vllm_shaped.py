@@ -8,8 +8,8 @@ import torch
 
 import megamoe_plugin as mm
 from megamoe_plugin.fp8 import quantize_per_token_group
-from megamoe_plugin.reference import check_close
-from megamoe_plugin.testing import random_layer, random_routing
+from megamoe_plugin.heuristics import NUMERICS_MODES
+from megamoe_plugin.testing import check_outputs, random_layer, random_routing
 
 # Qwen3-30B-A3B's expert shape (the vllm_on_gpu model): H 2048, I 768, 128 experts, top-8.
 HIDDEN, INTER, EXPERTS, TOPK, MAX_TOKENS = 2048, 768, 128, 8, 256
@@ -23,9 +23,10 @@ def setup():
     return layer, buf, gen
 
 
+@pytest.mark.parametrize("numerics", NUMERICS_MODES)
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("num_tokens", [MAX_TOKENS, 1, 0, 77])
-def test_staged_bf16_inputs(setup, ids_dtype, num_tokens):
+def test_staged_bf16_inputs(setup, ids_dtype, num_tokens, numerics):
     layer, buf, gen = setup
     hidden_states = torch.randn(num_tokens, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
     topk_idx = random_routing(num_tokens, EXPERTS, TOPK, "uniform", "cuda", gen).to(ids_dtype)
@@ -34,9 +35,8 @@ def test_staged_bf16_inputs(setup, ids_dtype, num_tokens):
     n = mm.stage_inputs(buf, hidden_states, topk_idx, topk_weights)
     assert n == num_tokens
     y = torch.full((n, HIDDEN), math.nan, dtype=torch.bfloat16, device="cuda")
-    mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
+    mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, numerics=numerics)
     mm.ops.synchronize()
     x, x_sf = quantize_per_token_group(hidden_states)
-    ref = mm.reference.mega_moe([dict(x=x, x_sf=x_sf, topk_idx=topk_idx.long(), topk_weights=topk_weights)],
-                                [layer.checkpoint], EXPERTS)[0]
-    check_close(y, ref)
+    inputs = dict(x=x, x_sf=x_sf, topk_idx=topk_idx.long(), topk_weights=topk_weights)
+    check_outputs([y], [inputs], [layer], EXPERTS, numerics)

@@ -1,0 +1,50 @@
+"""The barrier state that lives across calls (buffer.SIGNAL_WORDS) stays right across its
+wrap points. Each case puts the state of every rank's buffer a few barriers short of 2^31 or
+2^32 (testing.set_barrier_state), runs 20 calls that cross the edge, checks every call
+against the reference (alternating numerics modes), and checks the state after: the counts
+advanced by exactly the calls' barriers, mod 2^32. R = 1, and R = 2 side by side on one GPU.
+(With 32-bit counters compared as signed integers, the first version died here.)"""
+import pytest
+import torch
+
+import megamoe_plugin as mm
+from megamoe_plugin.buffer import SIGNAL_WORDS
+from megamoe_plugin.heuristics import NUMERICS_MODES
+from megamoe_plugin.testing import check_outputs, random_inputs, set_barrier_state
+
+from .multi_rank import launch_side_by_side, make_world
+
+# (hidden, intermediate, topk, local experts, max tokens, _): small, so 20 checked calls are quick
+SHAPE = (2048, 768, 8, 8, 96, None)
+NUM_CALLS = 20
+CROSS_RANK_BARRIERS_PER_CALL = 2  # kernel.cuh: after the send list, after L2
+
+
+@pytest.mark.parametrize("start", [2**31 - 7, 2**32 - 7], ids=["2^31", "2^32"])
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_calls_across_the_wrap_point(num_ranks, start):
+    hidden, inter, topk, local_experts, max_tokens, _ = SHAPE
+    num_experts = local_experts * num_ranks
+    layers, gen = make_world(num_ranks, SHAPE, "cuda", seed=start % 1000 + num_ranks)
+    bufs = mm.buffer.get_local_rank_buffers(num_ranks, num_experts, max_tokens, topk, hidden, inter)
+    streams = [torch.cuda.Stream() for _ in range(num_ranks)]
+    # The grid generation grows by 2-3 per call, the rounds by 2: both cross the edge early.
+    set_barrier_state(bufs, grid_generation=start, rank_rounds_done=start)
+    for call in range(NUM_CALLS):
+        tokens = int(torch.randint(0, max_tokens + 1, (), generator=gen, device="cuda"))
+        numerics = NUMERICS_MODES[call % 2]
+        inputs = [random_inputs(tokens if r == 0 else max_tokens - tokens, hidden, num_experts, topk,
+                                ("uniform", "masked")[call % 2], "cuda", gen) for r in range(num_ranks)]
+        ys = launch_side_by_side(bufs, layers, inputs, streams, tokens, numerics)
+        print(f"\n  R={num_ranks} from {start:#x}: call {call} n={tokens} {numerics}", end="")
+        check_outputs(ys, inputs, layers, num_experts, numerics)
+    mask = (1 << 32) - 1
+    for buf in bufs:
+        signals = [int(v) & mask for v in buf.view("signals").cpu()]
+        done = signals[SIGNAL_WORDS["rank_barrier_done"]]
+        assert done == (start + NUM_CALLS * CROSS_RANK_BARRIERS_PER_CALL) & mask
+        assert signals[SIGNAL_WORDS["rank_barrier"]] == (done * num_ranks) & mask
+        assert signals[SIGNAL_WORDS["grid_arrivals"]] == 0
+        # 2 grid barriers per call, plus one between L1 and L2 at BLOCK_M 64 only.
+        advanced = (signals[SIGNAL_WORDS["grid_generation"]] - start) & mask
+        assert 2 * NUM_CALLS <= advanced <= 3 * NUM_CALLS

@@ -1,0 +1,77 @@
+"""Soak: many calls on one buffer, as a server makes them (issue: serving for days).
+
+Random token counts from 0 to the buffer's maximum on every call, no host sync between
+calls; every --check-every-th call is checked against DESIGN.md section 2 for its numerics
+mode (testing.check_outputs, NaN-poisoned output), on fresh inputs. Prints progress, the
+calls per second of the unchecked stretches, and exits non-zero on the first failure.
+
+    python3 tools/soak.py [--calls 100000] [--check-every 100] [--numerics fast,exact]
+"""
+import argparse
+import math
+import sys
+import time
+
+import torch
+
+import megamoe_plugin as mm
+from megamoe_plugin.testing import check_outputs, fill_buffer, random_inputs, random_layer
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=100_000, help="total kernel calls on the one buffer")
+    parser.add_argument("--check-every", type=int, default=100, help="check every N-th call against the reference")
+    parser.add_argument("--numerics", default="fast,exact", help="modes, cycled per checked stretch")
+    parser.add_argument("--shape", default="2048,768,8,16,256",
+                        help="hidden,intermediate,topk,local experts,max tokens")
+    args = parser.parse_args()
+    hidden, inter, topk, experts, max_tokens = (int(v) for v in args.shape.split(","))
+    modes = args.numerics.split(",")
+    gen = torch.Generator(device="cuda").manual_seed(2026)
+    layer = random_layer(experts, hidden, inter, "cuda", gen)
+    buf = mm.get_symm_buffer(None, experts, max_tokens, topk, hidden, inter)
+    mm.ops.warmup(buf, layer.l1, layer.l2, range(max_tokens + 1), numerics=modes[0])
+    for mode in modes[1:]:
+        mm.ops.warmup(buf, layer.l1, layer.l2, range(max_tokens + 1), numerics=mode)
+    y_all = torch.empty(max_tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    # Token counts drawn up front on the host: the loop itself does nothing but launch.
+    counts = torch.randint(0, max_tokens + 1, (args.calls,), generator=torch.Generator().manual_seed(7)).tolist()
+    checked = unchecked_calls = 0
+    unchecked_seconds = 0.0
+    start = time.monotonic()
+    call = 0
+    while call < args.calls:
+        mode = modes[(call // args.check_every) % len(modes)]
+        n = counts[call]
+        inputs = random_inputs(n, hidden, experts, topk, ("uniform", "masked", "half_empty")[checked % 3], "cuda", gen)
+        fill_buffer(buf, inputs)
+        y = y_all[:n]
+        y.fill_(math.nan)
+        mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, numerics=mode)
+        mm.ops.synchronize()
+        check_outputs([y], [inputs], [layer], experts, mode)
+        checked += 1
+        stretch = min(args.check_every - 1, args.calls - call - 1)
+        t0 = time.monotonic()
+        for i in range(stretch):  # the buffer still holds the max-token inputs' first n rows
+            m = counts[call + 1 + i]
+            mm.fp8_mega_moe(y_all[:m], layer.l1, layer.l2, buf, numerics=mode)
+        torch.cuda.synchronize()
+        unchecked_seconds += time.monotonic() - t0
+        unchecked_calls += stretch
+        call += stretch + 1
+        if checked % 50 == 0 or call >= args.calls:
+            print(f"soak: {call}/{args.calls} calls, {checked} checked ok, "
+                  f"{unchecked_calls / max(unchecked_seconds, 1e-9):.0f} calls/s unchecked, "
+                  f"{time.monotonic() - start:.0f} s", flush=True)
+    if not torch.isfinite(y_all[:counts[-1]].float()).all():
+        print("soak: the last call left NaN or Inf", flush=True)
+        return 1
+    print(f"soak: PASS {args.calls} calls on one buffer ({checked} checked against the reference), "
+          f"shape H{hidden} I{inter} K{topk} E{experts} N{max_tokens}, modes {modes}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
