@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 
 from .heuristics import (
     BLOCK_K,
+    DEFAULT_NUMERICS,
     MIN_STAGES,
     SMEM_LIMIT,
     IMPLEMENTED_BLOCK_M,
@@ -275,8 +276,9 @@ def load_table(gpu_name: str, configs_dir: Union[str, Path, None] = None) -> Opt
 
 @functools.lru_cache(maxsize=None)
 def _lookup(gpu_name: str, num_ranks: int, num_experts: int, num_topk: int, hidden: int, intermediate_size: int,
-            num_tokens: int, num_sms: int, configs_dir: str) -> KernelConfig:
-    config = default_config(num_ranks, num_experts, num_topk, hidden, intermediate_size, num_tokens, num_sms)
+            num_tokens: int, num_sms: int, configs_dir: str, numerics: str) -> KernelConfig:
+    config = default_config(num_ranks, num_experts, num_topk, hidden, intermediate_size, num_tokens, num_sms,
+                            numerics)
     table = _load(gpu_name, configs_dir)
     shape_table = None if table is None else table.shapes.get(
         TableShape(num_experts // num_ranks, hidden, intermediate_size, num_topk))
@@ -288,8 +290,9 @@ def _lookup(gpu_name: str, num_ranks: int, num_experts: int, num_topk: int, hidd
 
 def lookup_config(gpu_name: str, num_ranks: int, num_experts: int, num_topk: int, hidden: int,
                   intermediate_size: int, num_tokens: int, num_sms: int,
-                  configs_dir: Union[str, Path, None] = None) -> KernelConfig:
-    """The config for a call: the GPU's table entry if there is one, else the heuristic.
+                  configs_dir: Union[str, Path, None] = None, numerics: str = DEFAULT_NUMERICS) -> KernelConfig:
+    """The config for a call: the GPU's table entry if there is one, else the heuristic
+    (whose pipeline depth depends on the numerics mode's shared memory).
 
     The table must have this exact shape (num_experts / num_ranks local experts, hidden,
     intermediate_size, num_topk); of its entries the one nearest to this call's
@@ -299,7 +302,7 @@ def lookup_config(gpu_name: str, num_ranks: int, num_experts: int, num_topk: int
     one entry per distinct token count, bounded by the batch sizes a server runs.
     """
     return _lookup(gpu_name, num_ranks, num_experts, num_topk, hidden, intermediate_size, num_tokens, num_sms,
-                   _dir_key(configs_dir))
+                   _dir_key(configs_dir), numerics)
 
 
 # DESIGN.md section 8: per-rank shapes of real models with 32 local experts, and the

@@ -209,7 +209,7 @@ def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math:
     from .heuristics import KernelConfig, default_num_stages
 
     cfg = lookup_config(device_name, s.num_ranks, s.num_experts, s.num_topk, s.hidden, s.intermediate_size,
-                        num_tokens, grid_size)
+                        num_tokens, grid_size, numerics=numerics)
     if forced_block_m is not None and forced_block_m != cfg.block_m:
         stages = default_num_stages(forced_block_m, s.num_local_experts, s.hidden, s.intermediate_size,
                                     numerics=numerics)

@@ -163,3 +163,19 @@ def test_select_variant_is_memoized_and_follows_forced_block_m(monkeypatch):
     assert ops.select_variant(buf, 512, False).fast_math is False
     monkeypatch.setenv("MEGAMOE_BLOCK_M", "16")
     assert ops.select_variant(buf, 512, True).block_m == 16
+
+
+def test_every_selected_variant_fits_shared_memory_in_its_mode(monkeypatch):
+    """The config a call gets (table or heuristic) must fit the mode it runs in: exact L1 needs
+    more shared memory than fast (its FP16 token staging)."""
+    from megamoe_plugin import jit, ops
+    from megamoe_plugin.buffer import BufferShape
+    from megamoe_plugin.heuristics import NUMERICS_MODES, SMEM_LIMIT
+
+    for experts, topk, hidden, inter in ((16, 8, 2048, 768), (8, 8, 4096, 1536), (32, 8, 7168, 2048),
+                                         (128, 8, 2048, 768)):
+        shape = BufferShape(1, experts, 512, topk, hidden, inter)
+        for numerics in NUMERICS_MODES:
+            for n in range(0, 513, 7):
+                variant = ops.variant_for(shape, "NVIDIA H200", 132, n, True, numerics)
+                assert jit.smem_bytes_of(variant) <= SMEM_LIMIT, variant
