@@ -98,6 +98,7 @@ def variants():
         out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132)
     out += call_variants(2, 8, 2, 384, 256, 16, 132 // 2, (True,))  # tests/gpu/test_timeout.py
     out += call_variants(1, 16, 8, 2048, 768, 256, 132, (True,))  # tools/soak.py
+    out += call_variants(1, 32, 8, 2048, 768, 513, 132, (True,))  # tests/gpu/test_batch_invariance.py
     return list(dict.fromkeys(out))
 
 
