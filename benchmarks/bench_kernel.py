@@ -13,43 +13,18 @@ import argparse
 import itertools
 import functools
 import os
-import statistics
 
 import torch
 
 import megamoe_plugin as mm
 from megamoe_plugin.configs import REFERENCE_SHAPES
 from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer
+from megamoe_plugin.timing import l2_flusher, median_call_seconds, timed_seconds
 
 # DESIGN.md section 8's reference configs, (H, I, K); every one has 32 local experts per rank.
 CONFIGS = {name: (s.hidden, s.intermediate_size, s.num_topk) for name, s in REFERENCE_SHAPES.items()}
 LOCAL_EXPERTS = 32
 assert all(s.num_local_experts == LOCAL_EXPERTS for s in REFERENCE_SHAPES.values())
-
-
-def timed_seconds(fn, iters: int) -> float:
-    """Device seconds of `iters` back-to-back calls of fn, between two CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e-3
-
-
-def median_call_seconds(fn, iters: int, before=None) -> float:
-    """Median device seconds of one call of fn over `iters` calls, after one untimed
-    warm-up call; `before()` runs untimed before every call, the warm-up included (L2
-    flush, rank barrier, state reset)."""
-    times = []
-    for i in range(iters + 1):
-        if before is not None:
-            before()
-        t = timed_seconds(fn, 1)
-        if i > 0:
-            times.append(t)
-    return statistics.median(times)
 
 
 def measure_hbm_bandwidth() -> float:
@@ -139,7 +114,7 @@ def main():
         import torch.distributed as dist
     say = print if rank == 0 else (lambda *a, **k: None)
     bandwidth, fp8_rate = measure_hbm_bandwidth(), measure_fp8_rate()
-    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    flush = l2_flusher()
     gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
     peer_bandwidth = None
     for name in args.configs.split(","):
@@ -165,7 +140,7 @@ def main():
             y = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
 
             def before_call():
-                flush.zero_()
+                flush()
                 if group is not None:
                     dist.barrier(group)
 

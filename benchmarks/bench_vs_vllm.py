@@ -16,10 +16,11 @@ import functools
 import torch
 
 import megamoe_plugin as mm
-from bench_kernel import measure_fp8_rate, measure_hbm_bandwidth, median_call_seconds, rank_floor
+from bench_kernel import measure_fp8_rate, measure_hbm_bandwidth, rank_floor
 from megamoe_plugin.fp8 import quantize_per_token_group
 from megamoe_plugin.reference import calc_diff, mega_moe, token_rel_errors
 from megamoe_plugin.testing import random_layer, random_routing
+from megamoe_plugin.timing import graphed, l2_flusher, median_call_seconds
 
 
 def vllm_triton_moe(layer, block=128):
@@ -31,16 +32,6 @@ def vllm_triton_moe(layer, block=128):
     quant = fp8_w8a8_moe_quant_config(w1_scale=ckpt["w13_scale"], w2_scale=ckpt["w2_scale"],
                                       block_shape=[block, block])
     return functools.partial(fused_experts, w1=ckpt["w13"], w2=ckpt["w2"], quant_config=quant)
-
-
-def graphed(fn):
-    """fn captured once in a CUDA graph; returns the replay."""
-    fn()  # compile / autotune outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main():
@@ -57,7 +48,7 @@ def main():
 
     gen = torch.Generator(device="cuda").manual_seed(7)
     bandwidth, fp8_rate = measure_hbm_bandwidth(), measure_fp8_rate()
-    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    flush = l2_flusher()
     layer = random_layer(num_experts, h, inter, "cuda", gen)
     triton_moe = vllm_triton_moe(layer)
     buf = mm.get_symm_buffer(None, num_experts, max(tokens_list), topk, h, inter)
@@ -86,8 +77,8 @@ def main():
                        [layer.checkpoint], num_experts)[0]
         errors = [(calc_diff(a, b), token_rel_errors(a, b).max().item()) for a, b in ((y, ref), (y_vllm, ref), (y, y_vllm))]
 
-        t_mm = median_call_seconds(graphed(megamoe), args.iters, flush.zero_)
-        t_vllm = median_call_seconds(graphed(vllm), args.iters, flush.zero_)
+        t_mm = median_call_seconds(graphed(megamoe), args.iters, flush)
+        t_vllm = median_call_seconds(graphed(vllm), args.iters, flush)
         floor, _ = rank_floor([idx.cpu()], 0, 1, h, inter, (bandwidth, fp8_rate, float("inf")), num_experts)
         print(f"{n:6d} | {t_mm * 1e6:10.1f} {t_vllm * 1e6:8.1f} {floor * 1e6:8.1f} {t_mm / floor:8.2f} "
               f"{t_vllm / t_mm:7.2f} | " + ", ".join(f"{d:.1e}/{r:.1e}" for d, r in errors), flush=True)

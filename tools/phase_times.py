@@ -20,8 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import megamoe_plugin as mm  # noqa: E402
-from bench_kernel import CONFIGS, LOCAL_EXPERTS, median_call_seconds  # noqa: E402
+from bench_kernel import CONFIGS, LOCAL_EXPERTS  # noqa: E402
 from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer, reset_after_stopped_call  # noqa: E402
+from megamoe_plugin.timing import l2_flusher, median_call_seconds  # noqa: E402
 
 PHASES = [(2, "count+list+rank barrier"), (4, "layout+pull"), (5, "L1 GEMM+epilogue"), (6, "L2 GEMM+scatter"),
           (0, "combine")]
@@ -30,7 +31,7 @@ PHASES = [(2, "count+list+rank barrier"), (4, "layout+pull"), (5, "L1 GEMM+epilo
 def reset_and_flush(buf, flush):
     """Untimed before each call: a stopped call leaves the send counters set."""
     reset_after_stopped_call(buf)
-    flush.zero_()
+    flush()
 
 
 def main():
@@ -42,7 +43,7 @@ def main():
                         help="e.g. 128 for the tools/e2e model (qwen30's H/I/top-k with 128 experts)")
     parser.add_argument("--profile", action="store_true", help="one more launch per phase inside profiler markers")
     args = parser.parse_args()
-    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    flush = l2_flusher()
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens_list = [int(t) for t in args.tokens.split(",")]
     for name in args.configs.split(","):
