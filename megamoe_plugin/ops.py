@@ -18,6 +18,7 @@ import torch
 from .buffer import SymmBuffer
 from .heuristics import DEFAULT_NUMERICS
 from .jit import NUM_THREADS, KERNEL_NAME, KernelVariant, compile_variant, compile_variants
+from .progress import progress_bar
 
 WeightPair = Tuple[torch.Tensor, torch.Tensor]
 
@@ -290,18 +291,13 @@ def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Ite
         v = select_variant(buf, int(n), fast_math, numerics)
         if v not in variants:
             variants.append(v)
-    try:
-        from tqdm import tqdm
-        progress = tqdm(total=len(variants), desc="megamoe: compiling kernels", unit="variant")
-    except ImportError:
-        progress = None
+    progress = progress_bar(len(variants), "megamoe: compiling kernels", "variant")
     missing = [v for v in variants if (buf.device.index, v) not in _kernels]
-    for compiled in compile_variants(missing, on_done=None if progress is None else lambda v: progress.update()):
+    for compiled in compile_variants(missing, on_done=lambda v: progress.update()):
         if isinstance(compiled, RuntimeError):
             raise compiled
-    if progress is not None:
-        progress.update(len(variants) - len(missing))
-        progress.close()
+    progress.update(len(variants) - len(missing))
+    progress.close()
     for v in variants:  # cached cubins now: loading them is quick
         _kernel_handle(buf.device, v)
         _params_handle(buf, tuple(l1), tuple(l2), v.block_m)
