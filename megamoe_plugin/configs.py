@@ -3,10 +3,13 @@
 `configs/<GPU name, spaces as underscores>.json` (the name is what
 torch.cuda.get_device_name() reports, e.g. configs/NVIDIA_H200.json) holds:
 
-    {"gpu": "NVIDIA H200", "version": 1, "note": "...optional...",
+    {"gpu": "NVIDIA H200", "version": 2, "note": "...optional...",
      "tables": [{"shape": {"num_local_experts": 32, "hidden": 7168,
                            "intermediate_size": 2048, "num_topk": 8},
-                 "entries": {"0.25": {"block_m": 64, "num_stages": 5}, ...}}, ...]}
+                 "numerics": "fast", "note": "...optional: how it was measured...",
+                 "entries": {"0.25": {"block_m": 8, "num_stages": 6, "us": 71.2,
+                                      "runner_up": {"block_m": 16, "num_stages": 6, "us": 72.0}},
+                             ...}}, ...]}
 
 Shapes are per rank (local experts), because per-rank work with E/R local experts is
 the same at any EP width. Entry keys are expected tokens per expert
@@ -14,36 +17,42 @@ the same at any EP width. Entry keys are expected tokens per expert
 An entry may omit block_m or num_stages; the heuristic fills the gap at the entry's
 own token count, so every entry is checked against shared memory once, at load.
 
+A table with "numerics" serves calls in that mode (DESIGN.md section 2); one without
+serves both, so a shape may have one table per mode and one for both, the mode's own
+winning. "us" is the measured median time of the entry's config and "runner_up" the
+second fastest config measured (`python -m megamoe_plugin.tune` writes both, so a table
+says what its choices rest on); an entry with "us" names its block_m and num_stages.
+Version 1 files (no "numerics", "note" on tables, "us" or "runner_up") are still read.
+
 Tables are read once per process and validated completely: a bad field raises a
 ValueError naming the file and the JSON path, rather than launching a config the
 kernel cannot run. `lookup_config` is cached on its arguments, so in the per-call
-path it costs one dict lookup and no file I/O.
-
-Until the tuning sweep runs, the shipped H200 table is the heuristic evaluated at the
-reference configs of DESIGN.md section 8; regenerate it with
-    python -m megamoe_plugin.configs --generate --output configs/NVIDIA_H200.json
+path it costs one dict lookup and no file I/O. MEGAMOE_CONFIGS_DIR, when set, is where
+the tables are read from instead of the shipped configs/ (a table tuned on this machine,
+or an installed package whose own folder is read-only).
 """
 from __future__ import annotations
 
-import argparse
 import bisect
 import dataclasses
 import functools
 import json
 import math
+import os
 import re
-import sys
 import types
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 from .heuristics import (
     BLOCK_K,
     DEFAULT_NUMERICS,
     MIN_STAGES,
+    NUMERICS_MODES,
     SMEM_LIMIT,
     IMPLEMENTED_BLOCK_M,
     KernelConfig,
+    check_numerics,
     default_config,
     default_num_stages,
     expected_tokens_per_expert,
@@ -52,13 +61,17 @@ from .heuristics import (
 )
 from .paths import CONFIGS_DIR
 
-SCHEMA_VERSION = 1
-GENERATED_NOTE = "from the heuristic; replace with the tuning sweep"
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
-_TOP_KEYS = {"gpu": True, "version": True, "tables": True, "note": False}  # key -> required
-_TABLE_KEYS = {"shape": True, "entries": True}
+# key -> required, per schema version.
+_TOP_KEYS = {"gpu": True, "version": True, "tables": True, "note": False}
+_TABLE_KEYS = {1: {"shape": True, "entries": True},
+               2: {"shape": True, "numerics": False, "note": False, "entries": True}}
 _SHAPE_KEYS = {"num_local_experts": True, "hidden": True, "intermediate_size": True, "num_topk": True}
-_ENTRY_KEYS = {"block_m": False, "num_stages": False}
+_ENTRY_KEYS = {1: {"block_m": False, "num_stages": False},
+               2: {"block_m": False, "num_stages": False, "us": False, "runner_up": False}}
+_RUNNER_UP_KEYS = {"block_m": True, "num_stages": True, "us": True}
 # A plain decimal number as JSON writes it (float() alone would also take "1_0", " 1", "nan").
 _NUMBER = re.compile(r"(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 
@@ -101,13 +114,22 @@ class ShapeTable:
         return self.entries[i if points[i - 1] * points[i] <= expected_tokens * expected_tokens else i - 1]
 
 
+# What a table serves: a shape, in one numerics mode or (None) in both.
+TableKey = Tuple[TableShape, Optional[str]]
+
+
 @dataclasses.dataclass(frozen=True)
 class ConfigTable:
     """A validated table file."""
 
     gpu: str
     note: Optional[str]
-    shapes: Mapping[TableShape, ShapeTable]
+    tables: Mapping[TableKey, ShapeTable]
+
+    def find(self, shape: TableShape, numerics: str) -> Optional[ShapeTable]:
+        """The table a call of this shape in this numerics mode reads: the mode's own,
+        else the shape's table for both modes, else None."""
+        return self.tables.get((shape, numerics), self.tables.get((shape, None)))
 
 
 def table_path(gpu_name: str, configs_dir: Union[str, Path, None] = None) -> Path:
@@ -151,28 +173,45 @@ class _Validator:
             self.fail(path, f"expected {what}, got {value}")
         return value
 
+    def check_number(self, value: Any, path: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            self.fail(path, f"expected a positive number, got {json.dumps(value)}")
+        return float(value)
+
     def check_table(self, obj: Any) -> ConfigTable:
         self.check_object(obj, "$", _TOP_KEYS)
         if not isinstance(obj["gpu"], str) or not obj["gpu"]:
             self.fail("$.gpu", f"expected a non-empty string, got {json.dumps(obj['gpu'])}")
-        if not _is_int(obj["version"]) or obj["version"] != SCHEMA_VERSION:
-            self.fail("$.version", f"expected {SCHEMA_VERSION}, got {json.dumps(obj['version'])}")
-        if "note" in obj and not isinstance(obj["note"], str):
-            self.fail("$.note", f"expected a string, got {json.dumps(obj['note'])}")
+        version = obj["version"]
+        if not _is_int(version) or version not in READABLE_VERSIONS:
+            self.fail("$.version", f"expected one of {READABLE_VERSIONS}, got {json.dumps(version)}")
+        self.check_note(obj, "$")
         tables = obj["tables"]
         if not isinstance(tables, list) or not tables:
             self.fail("$.tables", "expected a non-empty array")
-        shapes: Dict[TableShape, ShapeTable] = {}
-        first_path: Dict[TableShape, str] = {}
+        parsed: Dict[TableKey, ShapeTable] = {}
+        first_path: Dict[TableKey, str] = {}
         for i, table in enumerate(tables):
             path = f"$.tables[{i}]"
-            self.check_object(table, path, _TABLE_KEYS)
+            self.check_object(table, path, _TABLE_KEYS[version])
             shape = self.check_shape(table["shape"], f"{path}.shape")
-            if shape in shapes:
-                self.fail(f"{path}.shape", f"duplicates {first_path[shape]}")
-            first_path[shape] = f"{path}.shape"
-            shapes[shape] = self.check_entries(table["entries"], f"{path}.entries", shape)
-        return ConfigTable(gpu=obj["gpu"], note=obj.get("note"), shapes=types.MappingProxyType(shapes))
+            numerics = table.get("numerics")
+            if "numerics" in table and numerics not in NUMERICS_MODES:  # null too: leave the key out for both
+                self.fail(f"{path}.numerics", f"expected one of {NUMERICS_MODES}, got {json.dumps(numerics)}")
+            self.check_note(table, path)
+            key = (shape, numerics)
+            if key in parsed:
+                self.fail(f"{path}.shape", f"duplicates {first_path[key]}"
+                          + ("" if numerics is None else f" for numerics {numerics!r}"))
+            first_path[key] = f"{path}.shape"
+            # A table for both modes must run in both: it is checked against each.
+            modes = NUMERICS_MODES if numerics is None else (numerics,)
+            parsed[key] = self.check_entries(table["entries"], f"{path}.entries", shape, version, modes)
+        return ConfigTable(gpu=obj["gpu"], note=obj.get("note"), tables=types.MappingProxyType(parsed))
+
+    def check_note(self, obj: Dict[str, Any], path: str) -> None:
+        if "note" in obj and not isinstance(obj["note"], str):
+            self.fail(f"{path}.note", f"expected a string, got {json.dumps(obj['note'])}")
 
     def check_shape(self, value: Any, path: str) -> TableShape:
         self.check_object(value, path, _SHAPE_KEYS)
@@ -183,7 +222,8 @@ class _Validator:
             num_topk=self.check_int(value["num_topk"], f"{path}.num_topk"),
         )
 
-    def check_entries(self, value: Any, path: str, shape: TableShape) -> ShapeTable:
+    def check_entries(self, value: Any, path: str, shape: TableShape, version: int,
+                      modes: Tuple[str, ...]) -> ShapeTable:
         if not isinstance(value, dict):
             self.fail(path, f"expected an object, got {type(value).__name__}")
         if not value:
@@ -196,40 +236,71 @@ class _Validator:
                 self.fail(entry_path, "key must be a positive number (expected tokens per expert)")
             if expected in points:
                 self.fail(entry_path, f"same expected tokens as {_entry_path(path, points[expected][0])}")
-            points[expected] = (key, self.check_entry(entry, entry_path, expected, shape))
+            points[expected] = (key, self.check_entry(entry, entry_path, expected, shape, version, modes))
         ordered = sorted(points.items())
         return ShapeTable(expected_tokens=tuple(p for p, _ in ordered), entries=tuple(e for _, (_, e) in ordered))
 
-    def check_entry(self, value: Any, path: str, expected: float, shape: TableShape) -> TunedEntry:
-        self.check_object(value, path, _ENTRY_KEYS)
+    def check_entry(self, value: Any, path: str, expected: float, shape: TableShape, version: int,
+                    modes: Tuple[str, ...]) -> TunedEntry:
+        self.check_object(value, path, _ENTRY_KEYS[version])
         if not value:
             self.fail(path, "empty entry: give block_m and/or num_stages")
+        if "us" in value:
+            if "block_m" not in value or "num_stages" not in value:
+                self.fail(path, "an entry with a measured time (us) must name the block_m and num_stages measured")
+            self.check_number(value["us"], f"{path}.us")
+        elif "runner_up" in value:
+            self.fail(path, "runner_up needs the entry's own measured time (us) beside it")
         if "block_m" in value:
-            block_m = self.check_int(value["block_m"], f"{path}.block_m")
-            if block_m not in IMPLEMENTED_BLOCK_M:
-                self.fail(f"{path}.block_m", f"{block_m} is not an implemented tier {IMPLEMENTED_BLOCK_M}")
+            block_m = self.check_block_m(value["block_m"], f"{path}.block_m")
         else:
             block_m = select_block_m(expected)
-        # A version-1 entry serves both numerics modes: it must fit the larger ("exact").
-        if "num_stages" not in value:
-            num_stages = default_num_stages(block_m, shape.num_local_experts, shape.hidden, shape.intermediate_size,
-                                            numerics="exact")
+        if "num_stages" not in value:  # the heuristic's depth, the shallowest of the table's modes
+            num_stages = min(default_num_stages(block_m, shape.num_local_experts, shape.hidden, shape.intermediate_size,
+                                                numerics=mode) for mode in modes)
         else:
-            num_stages = self.check_int(value["num_stages"], f"{path}.num_stages", MIN_STAGES)
-            needed = smem_bytes(block_m, num_stages, shape.num_local_experts, "exact")
-            if needed > SMEM_LIMIT:
-                self.fail(f"{path}.num_stages",
-                          f"{num_stages} stages of block_m={block_m} with {shape.num_local_experts} local experts "
-                          f"need {needed} bytes of shared memory, more than the {SMEM_LIMIT} available")
+            num_stages = self.check_num_stages(value["num_stages"], f"{path}.num_stages", block_m, shape, modes)
+        if "runner_up" in value:
+            self.check_runner_up(value["runner_up"], f"{path}.runner_up", value, shape, modes)
         return TunedEntry(block_m=block_m, num_stages=num_stages)
+
+    def check_block_m(self, value: Any, path: str) -> int:
+        block_m = self.check_int(value, path)
+        if block_m not in IMPLEMENTED_BLOCK_M:
+            self.fail(path, f"{block_m} is not an implemented tier {IMPLEMENTED_BLOCK_M}")
+        return block_m
+
+    def check_num_stages(self, value: Any, path: str, block_m: int, shape: TableShape, modes: Tuple[str, ...]) -> int:
+        num_stages = self.check_int(value, path, MIN_STAGES)
+        for mode in modes:
+            needed = smem_bytes(block_m, num_stages, shape.num_local_experts, mode)
+            if needed > SMEM_LIMIT:
+                self.fail(path, f"{num_stages} stages of block_m={block_m} with {shape.num_local_experts} local "
+                                f"experts need {needed} bytes of shared memory in {mode} numerics, more than the "
+                                f"{SMEM_LIMIT} available")
+        return num_stages
+
+    def check_runner_up(self, value: Any, path: str, winner: Dict[str, Any], shape: TableShape,
+                        modes: Tuple[str, ...]) -> None:
+        """The second fastest config measured: a runnable config other than the winner,
+        no faster than it."""
+        self.check_object(value, path, _RUNNER_UP_KEYS)
+        block_m = self.check_block_m(value["block_m"], f"{path}.block_m")
+        num_stages = self.check_num_stages(value["num_stages"], f"{path}.num_stages", block_m, shape, modes)
+        if (block_m, num_stages) == (winner["block_m"], winner["num_stages"]):
+            self.fail(path, "is the entry's own config")
+        if self.check_number(value["us"], f"{path}.us") < winner["us"]:
+            self.fail(f"{path}.us", f"{value['us']} is faster than the entry's {winner['us']}: "
+                                    "the entry must be the fastest config measured")
 
 
 def validate_table(obj: Any, source: str) -> ConfigTable:
     """Check a parsed table file against the schema and the kernel's limits.
 
     Raises ValueError("<source>: <JSON path>: <problem>") at the first bad field:
-    unknown or missing keys, wrong types, an unsupported block_m, a num_stages that
-    does not fit in shared memory, a non-numeric or duplicate entry key, no entries.
+    unknown or missing keys, wrong types, an unsupported block_m or numerics, a
+    num_stages that does not fit in shared memory, a non-numeric or duplicate entry key,
+    no entries, two tables for one shape and mode, a runner-up faster than its entry.
     """
     return _Validator(source).check_table(obj)
 
@@ -263,11 +334,14 @@ def _load(gpu_name: str, configs_dir: str) -> Optional[ConfigTable]:
 
 
 def _dir_key(configs_dir: Union[str, Path, None]) -> str:
-    return str(CONFIGS_DIR if configs_dir is None else Path(configs_dir))
+    if configs_dir is None:
+        configs_dir = os.environ.get("MEGAMOE_CONFIGS_DIR") or CONFIGS_DIR
+    return str(Path(configs_dir))
 
 
 def load_table(gpu_name: str, configs_dir: Union[str, Path, None] = None) -> Optional[ConfigTable]:
-    """The validated table for a GPU, or None if there is no file for it.
+    """The validated table for a GPU, or None if there is no file for it. The directory
+    defaults to MEGAMOE_CONFIGS_DIR if set, else the shipped configs.
 
     Cached per (gpu_name, configs_dir): the file is read and validated once per process.
     """
@@ -280,8 +354,8 @@ def _lookup(gpu_name: str, num_ranks: int, num_experts: int, num_topk: int, hidd
     config = default_config(num_ranks, num_experts, num_topk, hidden, intermediate_size, num_tokens, num_sms,
                             numerics)
     table = _load(gpu_name, configs_dir)
-    shape_table = None if table is None else table.shapes.get(
-        TableShape(num_experts // num_ranks, hidden, intermediate_size, num_topk))
+    shape_table = None if table is None else table.find(
+        TableShape(num_experts // num_ranks, hidden, intermediate_size, num_topk), numerics)
     if shape_table is None:
         return config
     entry = shape_table.nearest(expected_tokens_per_expert(num_tokens, num_ranks, num_topk, num_experts))
@@ -295,14 +369,15 @@ def lookup_config(gpu_name: str, num_ranks: int, num_experts: int, num_topk: int
     (whose pipeline depth depends on the numerics mode's shared memory).
 
     The table must have this exact shape (num_experts / num_ranks local experts, hidden,
-    intermediate_size, num_topk); of its entries the one nearest to this call's
+    intermediate_size, num_topk) and serve the call's numerics mode (its own table, else
+    the shape's table for both modes); of its entries the one nearest to this call's
     expected tokens per expert in log space is used, with num_sms from the call.
     Results are cached on all arguments (normalized to positional values, the
     directory as a string), so a repeated call is a dict lookup. The cache grows by
     one entry per distinct token count, bounded by the batch sizes a server runs.
     """
     return _lookup(gpu_name, num_ranks, num_experts, num_topk, hidden, intermediate_size, num_tokens, num_sms,
-                   _dir_key(configs_dir), numerics)
+                   _dir_key(configs_dir), check_numerics(numerics))
 
 
 # DESIGN.md section 8: per-rank shapes of real models with 32 local experts, and the
@@ -316,49 +391,11 @@ REFERENCE_SHAPES = {
 REFERENCE_TOKENS_PER_RANK = (1, 8, 32, 128, 512, 2048, 8192)
 
 
-def _format_expected(expected: float) -> str:
-    return str(int(expected)) if expected.is_integer() else repr(expected)
-
-
-def generate_table(gpu_name: str = "NVIDIA H200", shapes: Sequence[TableShape] = tuple(REFERENCE_SHAPES.values()),
-                   tokens_per_rank: Sequence[int] = REFERENCE_TOKENS_PER_RANK) -> Dict[str, Any]:
-    """A table file's content from the heuristic, at one rank (per-rank work is the same at any R)."""
-    tables = []
-    for shape in shapes:
-        entries = {}
-        for tokens in tokens_per_rank:
-            expected = expected_tokens_per_expert(tokens, 1, shape.num_topk, shape.num_local_experts)
-            block_m = select_block_m(expected)
-            entries[_format_expected(expected)] = {
-                "block_m": block_m,
-                "num_stages": default_num_stages(block_m, shape.num_local_experts, shape.hidden,
-                                                 shape.intermediate_size, numerics="exact"),
-            }
-        tables.append({"shape": shape._asdict(), "entries": entries})
-    return {"gpu": gpu_name, "version": SCHEMA_VERSION, "note": GENERATED_NOTE, "tables": tables}
+def entry_key(expected_tokens: float) -> str:
+    """An entry's key as the tables write it: "2", "0.25"."""
+    return str(int(expected_tokens)) if expected_tokens.is_integer() else repr(expected_tokens)
 
 
 def format_table(obj: Mapping[str, Any]) -> str:
     """The canonical text of a table file (what the shipped files contain)."""
     return json.dumps(obj, indent=2) + "\n"
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megamoe_plugin.configs", description=__doc__.split("\n")[0])
-    parser.add_argument("--generate", action="store_true", required=True,
-                        help="produce the table from the heuristic for the DESIGN.md section 8 reference configs")
-    parser.add_argument("--gpu", default="NVIDIA H200", help="GPU name to put in the table (default: %(default)s)")
-    parser.add_argument("--output", type=Path, help="write the table here instead of printing it")
-    args = parser.parse_args(argv)
-    text = format_table(generate_table(args.gpu))
-    validate_table(json.loads(text), "generated table")
-    if args.output is None:
-        sys.stdout.write(text)
-    else:
-        args.output.write_text(text, encoding="utf-8")
-        print(f"wrote {args.output}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,21 +4,18 @@ import json
 
 import pytest
 
-from megamoe_plugin import configs as c
 from megamoe_plugin.configs import (
     REFERENCE_SHAPES,
-    REFERENCE_TOKENS_PER_RANK,
     ShapeTable,
     TableShape,
     TunedEntry,
-    format_table,
-    generate_table,
+    entry_key,
     load_table,
     lookup_config,
     table_path,
     validate_table,
 )
-from megamoe_plugin.heuristics import default_config, default_num_stages
+from megamoe_plugin.heuristics import SMEM_LIMIT, default_config, default_num_stages, smem_bytes
 from megamoe_plugin.paths import CONFIGS_DIR
 
 GPU = "Test GPU 80GB"
@@ -34,6 +31,22 @@ def valid_table():
                     "entries": {"1": {"block_m": 64, "num_stages": 2},
                                 "4": {"block_m": 64, "num_stages": 3},
                                 "64": {"block_m": 64, "num_stages": 4}}}],
+    }
+
+
+def measured_table():
+    """A version-2 table as the tuning sweep writes it: one table per numerics mode."""
+    def entry(block_m, num_stages, us, runner_up):
+        return {"block_m": block_m, "num_stages": num_stages, "us": us,
+                "runner_up": dict(zip(("block_m", "num_stages", "us"), runner_up))}
+
+    return {
+        "gpu": GPU,
+        "version": 2,
+        "tables": [{"shape": dict(SHAPE), "numerics": "fast", "note": "measured by the tests",
+                    "entries": {"2": entry(8, 6, 70.5, (16, 6, 71.0)), "64": entry(64, 4, 400.0, (32, 5, 410.0))}},
+                   {"shape": dict(SHAPE), "numerics": "exact",
+                    "entries": {"2": entry(16, 4, 80.0, (8, 6, 80.0))}}],
     }
 
 
@@ -60,8 +73,9 @@ def test_load_table_parses_and_sorts(tmp_path):
     table = load_table(GPU, tmp_path)
     assert (table.gpu, table.note) == (GPU, "hand-written for the tests")
     shape = TableShape(**SHAPE)
-    assert list(table.shapes) == [shape]
-    assert table.shapes[shape] == ShapeTable(
+    assert list(table.tables) == [(shape, None)]
+    assert table.find(shape, "fast") is table.find(shape, "exact") is table.tables[shape, None]
+    assert table.tables[shape, None] == ShapeTable(
         expected_tokens=(0.5, 4.0, 64.0),
         entries=(TunedEntry(64, default_num_stages(64, 32, 4096, 2048, numerics="exact")), TunedEntry(8, 3), TunedEntry(64, 4)))
 
@@ -81,12 +95,16 @@ SCHEMA_ERRORS = {
     "unknown top key": (edit(lambda t: t.update(tabels=[])), "$", "unknown key 'tabels'"),
     "missing tables": (edit(lambda t: t.pop("tables")), "$", "missing key 'tables'"),
     "gpu type": (edit(lambda t: t.update(gpu=7)), "$.gpu", "expected a non-empty string, got 7"),
-    "version value": (edit(lambda t: t.update(version=2)), "$.version", "expected 1, got 2"),
-    "version type": (edit(lambda t: t.update(version="1")), "$.version", 'expected 1, got "1"'),
+    "version value": (edit(lambda t: t.update(version=3)), "$.version", "expected one of (1, 2), got 3"),
+    "version type": (edit(lambda t: t.update(version="1")), "$.version", 'expected one of (1, 2), got "1"'),
     "note type": (edit(lambda t: t.update(note=None)), "$.note", "expected a string, got null"),
     "tables type": (edit(lambda t: t.update(tables={})), "$.tables", "expected a non-empty array"),
     "tables empty": (edit(lambda t: t.update(tables=[])), "$.tables", "expected a non-empty array"),
     "table unknown key": (edit(lambda t: t["tables"][0].update(name="v3")), "$.tables[0]", "unknown key 'name'"),
+    "numerics in version 1": (edit(lambda t: t["tables"][0].update(numerics="fast")), "$.tables[0]",
+                              "unknown key 'numerics' (allowed: shape, entries)"),
+    "us in version 1": (edit(lambda t: t["tables"][0]["entries"]["4"].update(us=1.0)), '$.tables[0].entries["4"]',
+                        "unknown key 'us' (allowed: block_m, num_stages)"),
     "table missing entries": (edit(lambda t: t["tables"][0].pop("entries")), "$.tables[0]", "missing key 'entries'"),
     "shape unknown key": (edit(lambda t: t["tables"][0]["shape"].update(num_ranks=8)),
                           "$.tables[0].shape", "unknown key 'num_ranks'"),
@@ -128,8 +146,12 @@ SCHEMA_ERRORS = {
                            '$.tables[0].entries["4"].num_stages', "expected an integer >= 2, got 1"),
     "num_stages too many": (edit(lambda t: t["tables"][0]["entries"]["4"].update(num_stages=6)),
                             '$.tables[0].entries["4"].num_stages',
-                            "6 stages of block_m=64 with 32 local experts need 285696 bytes of shared memory, "
-                            "more than the 232448 available"),
+                            "6 stages of block_m=64 with 32 local experts need 252928 bytes of shared memory in "
+                            "fast numerics, more than the 232448 available"),
+    "num_stages beyond exact": (edit(lambda t: t["tables"][0]["entries"]["4"].update(num_stages=5)),
+                                '$.tables[0].entries["4"].num_stages',
+                                "5 stages of block_m=64 with 32 local experts need 244736 bytes of shared memory in "
+                                "exact numerics"),
 }
 
 
@@ -142,8 +164,80 @@ def test_validate_table_errors(case):
     assert problem in str(info.value)
 
 
-def test_validate_table_accepts_the_valid_table():
+def fast_entry(table):
+    return table["tables"][0]["entries"]["2"]
+
+
+# The same, for what version 2 adds (mutations of measured_table()).
+SCHEMA_V2_ERRORS = {
+    "numerics value": (edit(lambda t: t["tables"][0].update(numerics="fp8")), "$.tables[0].numerics",
+                       "expected one of ('fast', 'exact'), got \"fp8\""),
+    "numerics null": (edit(lambda t: t["tables"][0].update(numerics=None)), "$.tables[0].numerics",
+                      "expected one of ('fast', 'exact'), got null"),
+    "table note type": (edit(lambda t: t["tables"][0].update(note=3)), "$.tables[0].note", "expected a string"),
+    "duplicate shape and mode": (edit(lambda t: t["tables"][1].update(numerics="fast")), "$.tables[1].shape",
+                                 "duplicates $.tables[0].shape for numerics 'fast'"),
+    "two tables for both modes": (edit(lambda t: [table.pop("numerics") for table in t["tables"]]),
+                                  "$.tables[1].shape", "duplicates $.tables[0].shape"),
+    "us type": (edit(lambda t: fast_entry(t).update(us="70")), '$.tables[0].entries["2"].us',
+                'expected a positive number, got "70"'),
+    "us bool": (edit(lambda t: fast_entry(t).update(us=True)), '$.tables[0].entries["2"].us',
+                "expected a positive number, got true"),
+    "us zero": (edit(lambda t: fast_entry(t).update(us=0)), '$.tables[0].entries["2"].us',
+                "expected a positive number, got 0"),
+    "us without config": (edit(lambda t: fast_entry(t).pop("num_stages")), '$.tables[0].entries["2"]',
+                          "must name the block_m and num_stages measured"),
+    "runner_up without us": (edit(lambda t: fast_entry(t).pop("us")), '$.tables[0].entries["2"]',
+                             "runner_up needs the entry's own measured time"),
+    "runner_up type": (edit(lambda t: fast_entry(t).update(runner_up=[16, 6])), '$.tables[0].entries["2"].runner_up',
+                       "expected an object, got list"),
+    "runner_up missing key": (edit(lambda t: fast_entry(t)["runner_up"].pop("us")),
+                              '$.tables[0].entries["2"].runner_up', "missing key 'us'"),
+    "runner_up block_m": (edit(lambda t: fast_entry(t)["runner_up"].update(block_m=48)),
+                          '$.tables[0].entries["2"].runner_up.block_m', "48 is not an implemented tier"),
+    "runner_up num_stages": (edit(lambda t: fast_entry(t)["runner_up"].update(block_m=64, num_stages=7)),
+                             '$.tables[0].entries["2"].runner_up.num_stages', "7 stages of block_m=64"),
+    "runner_up is the winner": (edit(lambda t: fast_entry(t)["runner_up"].update(block_m=8)),
+                                '$.tables[0].entries["2"].runner_up', "is the entry's own config"),
+    "runner_up faster": (edit(lambda t: fast_entry(t)["runner_up"].update(us=70.4)),
+                         '$.tables[0].entries["2"].runner_up.us',
+                         "70.4 is faster than the entry's 70.5: the entry must be the fastest config measured"),
+}
+
+
+@pytest.mark.parametrize("case", SCHEMA_V2_ERRORS)
+def test_validate_table_v2_errors(case):
+    mutate, path, problem = SCHEMA_V2_ERRORS[case]
+    with pytest.raises(ValueError) as info:
+        validate_table(mutate(measured_table()), "tables/X.json")
+    assert str(info.value).startswith(f"tables/X.json: {path}: ")
+    assert problem in str(info.value)
+
+
+def test_validate_table_accepts_the_valid_tables():
     assert validate_table(valid_table(), "x.json").gpu == GPU
+    table = validate_table(measured_table(), "x.json")
+    shape = TableShape(**SHAPE)
+    assert set(table.tables) == {(shape, "fast"), (shape, "exact")}
+    assert table.find(shape, "fast").entries == (TunedEntry(8, 6), TunedEntry(64, 4))
+    assert table.find(shape, "exact").entries == (TunedEntry(16, 4),)
+
+
+def test_a_table_for_one_mode_is_checked_against_that_modes_shared_memory():
+    obj = measured_table()
+    fast_entry(obj).update(block_m=64, num_stages=5, runner_up={"block_m": 32, "num_stages": 6, "us": 71.0})
+    assert validate_table(obj, "x.json").find(TableShape(**SHAPE), "fast").entries[0] == TunedEntry(64, 5)
+    obj["tables"][0]["numerics"] = "exact"  # FP16 token staging: one stage fewer fits at block_m 64
+    obj["tables"][1]["numerics"] = "fast"
+    with pytest.raises(ValueError, match=r'entries\["2"\].num_stages: 5 stages of block_m=64 .* in exact numerics'):
+        validate_table(obj, "x.json")
+
+
+def test_version_2_entries_may_still_leave_fields_to_the_heuristic():
+    obj = measured_table()
+    obj["tables"][1]["entries"] = {"2": {"block_m": 16}}
+    assert validate_table(obj, "x.json").find(TableShape(**SHAPE), "exact").entries == (
+        TunedEntry(16, default_num_stages(16, 32, 4096, 2048)),)
 
 
 def test_load_table_errors_name_the_file(tmp_path):
@@ -172,7 +266,7 @@ def test_load_table_rejects_a_file_for_another_gpu(tmp_path):
 
 
 def test_nearest_entry_in_log_space():
-    table = validate_table(valid_table(), "x.json").shapes[TableShape(**SHAPE)]
+    table = validate_table(valid_table(), "x.json").find(TableShape(**SHAPE), "fast")
     stages = {x: table.nearest(x).num_stages for x in (0, 0.01, 1, 1.99, 2, 3, 15.9, 16, 40, 64, 1e9)}
     # Entries 1 -> 2 stages, 4 -> 3, 64 -> 4; geometric midpoints 2 and 16 go to the larger entry.
     assert stages == {0: 2, 0.01: 2, 1: 2, 1.99: 2, 2: 3, 3: 3, 15.9: 3, 16: 4, 40: 4, 64: 4, 1e9: 4}
@@ -204,6 +298,53 @@ def test_lookup_config_falls_back_to_the_heuristic(tmp_path):
                 1, 32, num_topk, hidden, 2048, tokens, 132)
 
 
+def test_lookup_config_reads_the_table_of_the_calls_numerics(tmp_path):
+    obj = measured_table()
+    write(tmp_path, obj)
+    # 8 tokens: 2 rows per expert.
+    assert (lookup(tmp_path, 8).block_m, lookup(tmp_path, 8).num_stages) == (8, 6)  # "fast" by default
+    fast = lookup_config(GPU, 1, 32, 8, 4096, 2048, 8, 132, configs_dir=tmp_path, numerics="fast")
+    exact = lookup_config(GPU, 1, 32, 8, 4096, 2048, 8, 132, configs_dir=tmp_path, numerics="exact")
+    assert (fast.block_m, fast.num_stages, exact.block_m, exact.num_stages) == (8, 6, 16, 4)
+
+
+def test_a_modes_own_table_wins_over_the_table_for_both(tmp_path):
+    obj = measured_table()
+    obj["tables"][1].pop("numerics")
+    obj["tables"][1]["entries"] = {"2": {"block_m": 32, "num_stages": 3}}
+    write(tmp_path, obj)
+    for numerics, expected in (("fast", (8, 6)), ("exact", (32, 3))):
+        config = lookup_config(GPU, 1, 32, 8, 4096, 2048, 8, 132, configs_dir=tmp_path, numerics=numerics)
+        assert (config.block_m, config.num_stages) == expected, numerics
+
+
+def test_a_mode_without_a_table_gets_the_heuristic(tmp_path):
+    obj = measured_table()
+    del obj["tables"][1]
+    write(tmp_path, obj)
+    for tokens in (1, 8, 8192):
+        assert lookup_config(GPU, 1, 32, 8, 4096, 2048, tokens, 132, configs_dir=tmp_path,
+                             numerics="exact") == default_config(1, 32, 8, 4096, 2048, tokens, 132, "exact")
+
+
+def test_lookup_config_names_a_bad_numerics(tmp_path):
+    with pytest.raises(ValueError, match=r"numerics must be one of \('fast', 'exact'\), got 'fp16'"):
+        lookup_config(GPU, 1, 32, 8, 4096, 2048, 8, 132, configs_dir=tmp_path, numerics="fp16")
+
+
+def test_configs_dir_from_the_environment(tmp_path, monkeypatch):
+    write(tmp_path, valid_table())
+    monkeypatch.setenv("MEGAMOE_CONFIGS_DIR", str(tmp_path))
+    assert load_table(GPU) is load_table(GPU, tmp_path)
+    assert lookup_config(GPU, 1, 32, 8, 4096, 2048, 8, 132).num_stages == 3  # the entry at 2 rows per expert
+    monkeypatch.setenv("MEGAMOE_CONFIGS_DIR", "")  # empty: the shipped tables
+    assert load_table("NVIDIA H200") is load_table("NVIDIA H200", CONFIGS_DIR)
+
+
+def test_entry_key():
+    assert [entry_key(x) for x in (0.25, 2.0, 512.0, 0.0625)] == ["0.25", "2", "512", "0.0625"]
+
+
 def test_lookup_config_reads_the_file_once(tmp_path):
     path = write(tmp_path, valid_table())
     first = lookup(tmp_path, 8)
@@ -212,38 +353,28 @@ def test_lookup_config_reads_the_file_once(tmp_path):
     assert lookup(tmp_path, 256).num_stages == 4  # a new call, still served from the parsed table
 
 
-def test_default_directory_is_the_shipped_one():
+def test_default_directory_is_the_shipped_one(monkeypatch):
+    monkeypatch.delenv("MEGAMOE_CONFIGS_DIR", raising=False)
     assert load_table("NVIDIA H200") is load_table("NVIDIA H200", CONFIGS_DIR)
     assert lookup_config("NVIDIA H200", 1, 32, 8, 7168, 2048, 128, 132) is lookup_config(
         "NVIDIA H200", 1, 32, 8, 7168, 2048, 128, 132, configs_dir=str(CONFIGS_DIR))
 
 
-def test_shipped_table_is_what_generate_produces(capsys):
-    shipped = table_path("NVIDIA H200").read_text(encoding="utf-8")
-    assert c.main(["--generate"]) == 0
-    assert capsys.readouterr().out == shipped == format_table(generate_table())
-    table = validate_table(json.loads(shipped), "NVIDIA_H200.json")
-    assert json.loads(shipped)["note"] == "from the heuristic; replace with the tuning sweep"
-    assert set(table.shapes) == set(REFERENCE_SHAPES.values())
-    for shape, entries in table.shapes.items():
-        assert entries.expected_tokens == tuple(t * shape.num_topk / 32 for t in REFERENCE_TOKENS_PER_RANK)
+def test_shipped_table_validates_and_covers_the_reference_shapes():
+    table = load_table("NVIDIA H200", CONFIGS_DIR)
+    assert table is not None and table.gpu == "NVIDIA H200"
+    for shape in REFERENCE_SHAPES.values():
+        for numerics in ("fast", "exact"):
+            assert table.find(shape, numerics) is not None, (shape, numerics)
 
 
-def test_shipped_table_serves_every_reference_point():
-    table = load_table("NVIDIA H200")
-    for name, shape in REFERENCE_SHAPES.items():
-        for ranks in (1, 8):
-            for tokens in REFERENCE_TOKENS_PER_RANK:
-                config = lookup_config("NVIDIA H200", ranks, ranks * shape.num_local_experts, shape.num_topk,
-                                       shape.hidden, shape.intermediate_size, tokens, 132)
-                expected = tokens * shape.num_topk / shape.num_local_experts
-                assert expected in table.shapes[shape].expected_tokens, name
-                assert (config.block_m, config.num_stages) == table.shapes[shape].nearest(expected), name
-
-
-def test_generate_writes_output(tmp_path, capsys):
-    out = tmp_path / "gen.json"
-    assert c.main(["--generate", "--gpu", "NVIDIA H100 80GB HBM3", "--output", str(out)]) == 0
-    assert json.loads(out.read_text(encoding="utf-8")) == generate_table("NVIDIA H100 80GB HBM3")
-    assert capsys.readouterr().out == ""
-
+def test_every_shipped_entry_fits_shared_memory():
+    """Checked here on its own, not only through the loader: a launch of an entry that
+    does not fit fails on the GPU, at whatever token count selects it."""
+    for path in sorted(CONFIGS_DIR.glob("*.json")):
+        gpu = json.loads(path.read_text(encoding="utf-8"))["gpu"]
+        assert table_path(gpu).name == path.name
+        for (shape, _numerics), shape_table in load_table(gpu, CONFIGS_DIR).tables.items():
+            for entry in shape_table.entries:
+                assert smem_bytes(entry.block_m, entry.num_stages, shape.num_local_experts) <= SMEM_LIMIT, (
+                    path.name, shape, entry)
