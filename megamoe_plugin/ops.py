@@ -7,6 +7,7 @@ launch on the current stream: no host sync, no allocation, capturable in a CUDA 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import math
 import os
@@ -190,24 +191,39 @@ def _forced_block_m() -> Optional[int]:
     return int(value)
 
 
+def _forced_num_stages() -> Optional[int]:
+    """MEGAMOE_NUM_STAGES: run every call with this pipeline depth (measuring depths; the
+    tuning sweep forces each candidate config with it and MEGAMOE_BLOCK_M). variant_for
+    checks that it fits the tier in shared memory."""
+    from .heuristics import MIN_STAGES
+
+    value = os.environ.get("MEGAMOE_NUM_STAGES")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < MIN_STAGES:
+        raise ValueError(f"MEGAMOE_NUM_STAGES must be an integer >= {MIN_STAGES}, got {value!r}")
+    return int(value)
+
+
 def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool, numerics: str = DEFAULT_NUMERICS
                    ) -> KernelVariant:
     """The kernel variant a call with `num_tokens` (per rank) runs: the shipped table, else the
-    heuristic; MEGAMOE_BLOCK_M forces the tier. Memoized, as it runs on every call."""
+    heuristic; MEGAMOE_BLOCK_M and MEGAMOE_NUM_STAGES force the tier and the depth. Memoized,
+    as it runs on every call; the environment variables it reads are part of the key."""
     key = (buf.shape, _device_name(buf.device), _grid_size(buf), num_tokens, fast_math, numerics,
-           os.environ.get("MEGAMOE_BLOCK_M"))
+           *(os.environ.get(name) for name in ("MEGAMOE_BLOCK_M", "MEGAMOE_NUM_STAGES", "MEGAMOE_CONFIGS_DIR")))
     variant = _variants.get(key)
     if variant is None:
-        variant = _variants[key] = variant_for(*key[:6], _forced_block_m())
+        variant = _variants[key] = variant_for(*key[:6], _forced_block_m(), _forced_num_stages())
     return variant
 
 
 def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math: bool, numerics: str,
-                forced_block_m: Optional[int] = None) -> KernelVariant:
+                forced_block_m: Optional[int] = None, forced_num_stages: Optional[int] = None) -> KernelVariant:
     """select_variant without a buffer or a GPU, for a buffer of shape `s` (buffer.BufferShape)
     on `grid_size` SMs of `device_name` (tests/gpu/cases.py precompiles with it)."""
     from .configs import lookup_config
-    from .heuristics import KernelConfig, default_num_stages
+    from .heuristics import KernelConfig, default_num_stages, max_pipeline_stages
 
     cfg = lookup_config(device_name, s.num_ranks, s.num_experts, s.num_topk, s.hidden, s.intermediate_size,
                         num_tokens, grid_size, numerics=numerics)
@@ -215,11 +231,19 @@ def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math:
         stages = default_num_stages(forced_block_m, s.num_local_experts, s.hidden, s.intermediate_size,
                                     numerics=numerics)
         cfg = KernelConfig(block_m=forced_block_m, num_stages=stages, num_sms=cfg.num_sms)
+    if forced_num_stages is not None:
+        most = max_pipeline_stages(cfg.block_m, s.num_local_experts, numerics=numerics)
+        if forced_num_stages > most:
+            raise ValueError(f"forced num_stages={forced_num_stages} (MEGAMOE_NUM_STAGES) does not fit: at most {most} "
+                             f"stages of block_m={cfg.block_m} fit in shared memory with {s.num_local_experts} local "
+                             f"experts in {numerics} numerics")
+        cfg = dataclasses.replace(cfg, num_stages=forced_num_stages)
     return KernelVariant(s.hidden, s.intermediate_size, s.num_topk, s.num_experts, s.num_ranks, cfg.block_m,
                          cfg.num_stages, fast_math, numerics)
 
 
-# (buffer shape, device name, grid size, tokens, fast_math, numerics, MEGAMOE_BLOCK_M) -> variant.
+# (buffer shape, device name, grid size, tokens, fast_math, numerics, MEGAMOE_BLOCK_M, MEGAMOE_NUM_STAGES,
+#  MEGAMOE_CONFIGS_DIR) -> variant.
 _variants: Dict[Tuple, KernelVariant] = {}
 
 

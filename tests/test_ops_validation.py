@@ -179,3 +179,49 @@ def test_every_selected_variant_fits_shared_memory_in_its_mode(monkeypatch):
             for n in range(0, 513, 7):
                 variant = ops.variant_for(shape, "NVIDIA H200", 132, n, True, numerics)
                 assert jit.smem_bytes_of(variant) <= SMEM_LIMIT, variant
+
+
+@pytest.mark.parametrize("value", ["1", "x", "-4"])
+def test_forced_num_stages_names_the_variable(monkeypatch, value):
+    from megamoe_plugin import ops
+
+    monkeypatch.setenv("MEGAMOE_NUM_STAGES", value)
+    with pytest.raises(ValueError, match=r"MEGAMOE_NUM_STAGES must be an integer >= 2, got"):
+        ops._forced_num_stages()
+
+
+def test_forced_num_stages_must_fit_the_tier():
+    from megamoe_plugin import ops
+
+    buf = mm.get_symm_buffer(None, 32, 512, 6, 4096, 2048, device="cpu")
+    assert ops.variant_for(buf.shape, "Test GPU", 132, 512, True, "fast", 64, 5).num_stages == 5
+    with pytest.raises(ValueError, match=r"forced num_stages=5 \(MEGAMOE_NUM_STAGES\) does not fit: at most 4 stages "
+                                         r"of block_m=64 fit in shared memory with 32 local experts in exact numerics"):
+        ops.variant_for(buf.shape, "Test GPU", 132, 512, True, "exact", 64, 5)
+
+
+def test_select_variant_follows_forced_num_stages_and_configs_dir(monkeypatch, tmp_path):
+    """The tuning sweep forces each candidate through the environment; a table in
+    MEGAMOE_CONFIGS_DIR takes effect in the same process."""
+    import json
+
+    from megamoe_plugin import ops
+    from megamoe_plugin.configs import table_path
+
+    monkeypatch.setattr(ops, "_device_name", lambda device: "Test GPU")
+    monkeypatch.setattr(ops, "_grid_size", lambda buf: 132)
+    for name in ("MEGAMOE_BLOCK_M", "MEGAMOE_NUM_STAGES", "MEGAMOE_CONFIGS_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    buf = mm.get_symm_buffer(None, 32, 512, 6, 4096, 2048, device="cpu")
+    assert (ops.select_variant(buf, 1, True).block_m, ops.select_variant(buf, 1, True).num_stages) == (8, 6)
+    monkeypatch.setenv("MEGAMOE_NUM_STAGES", "3")
+    assert (ops.select_variant(buf, 1, True).block_m, ops.select_variant(buf, 1, True).num_stages) == (8, 3)
+    monkeypatch.setenv("MEGAMOE_BLOCK_M", "64")
+    assert (ops.select_variant(buf, 1, True).block_m, ops.select_variant(buf, 1, True).num_stages) == (64, 3)
+    monkeypatch.delenv("MEGAMOE_BLOCK_M")
+    monkeypatch.delenv("MEGAMOE_NUM_STAGES")
+    shape = {"num_local_experts": 32, "hidden": 4096, "intermediate_size": 2048, "num_topk": 6}
+    table = {"shape": shape, "entries": {"1": {"block_m": 32, "num_stages": 4}}}
+    table_path("Test GPU", tmp_path).write_text(json.dumps({"gpu": "Test GPU", "version": 2, "tables": [table]}))
+    monkeypatch.setenv("MEGAMOE_CONFIGS_DIR", str(tmp_path))
+    assert (ops.select_variant(buf, 1, True).block_m, ops.select_variant(buf, 1, True).num_stages) == (32, 4)
