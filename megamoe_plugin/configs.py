@@ -24,6 +24,10 @@ second fastest config measured (`python -m megamoe_plugin.tune` writes both, so 
 says what its choices rest on); an entry with "us" names its block_m and num_stages.
 Version 1 files (no "numerics", "note" on tables, "us" or "runner_up") are still read.
 
+The shipped tables come from `python -m megamoe_plugin.tune` run on that GPU (each
+table's note says the command and the date); the built-in heuristic serves the shapes
+they do not have.
+
 Tables are read once per process and validated completely: a bad field raises a
 ValueError naming the file and the JSON path, rather than launching a config the
 kernel cannot run. `lookup_config` is cached on its arguments, so in the per-call
@@ -133,8 +137,9 @@ class ConfigTable:
 
 
 def table_path(gpu_name: str, configs_dir: Union[str, Path, None] = None) -> Path:
-    """The table file for a GPU: spaces in the device name become underscores."""
-    return Path(CONFIGS_DIR if configs_dir is None else configs_dir) / (gpu_name.replace(" ", "_") + ".json")
+    """The table file for a GPU: spaces in the device name become underscores. The
+    directory defaults to MEGAMOE_CONFIGS_DIR if set, else the shipped configs."""
+    return Path(_dir_key(configs_dir)) / (gpu_name.replace(" ", "_") + ".json")
 
 
 def _is_int(value: Any) -> bool:
