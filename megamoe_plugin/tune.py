@@ -1,16 +1,17 @@
 """Tuning sweep: time the kernel's configs on this GPU and write the table the op layer reads.
 
     python -m megamoe_plugin.tune [--shapes v3,v4flash,qwen235,qwen30,e2e] [--tokens 1,8,...,8192]
-                                  [--tiers 8,16,32,64] [--stages 4,6] [--iters 20]
-                                  [--output-dir DIR] [--dry-run | --compile-only]
+                                  [--numerics fast,exact] [--tiers 8,16,32,64] [--stages 4,6]
+                                  [--iters 20] [--output-dir DIR] [--dry-run | --compile-only]
 
-For each shape and token count per rank it times candidate configs (BLOCK_M tier x
-pipeline stages) of the fused kernel on one GPU, and writes the fastest of each into
-`<output-dir>/<GPU>.json` (configs.table_path; default: MEGAMOE_CONFIGS_DIR, else the
-shipped configs/) with its time and the runner-up's, and the command and date in the
-table's note. Tables of other shapes already in the file are kept. The op layer then
-picks the entry nearest to a call's expected tokens per expert (configs.lookup_config);
-shapes without a table keep the heuristic.
+For each shape, numerics mode and token count per rank it times candidate configs
+(BLOCK_M tier x pipeline stages) of the fused kernel on one GPU, and writes the fastest
+of each into `<output-dir>/<GPU>.json` (configs.table_path; default: MEGAMOE_CONFIGS_DIR,
+else the shipped configs/), one table per shape and mode, with its time and the
+runner-up's, and the command and date in the table's note. Tables of other shapes and
+modes already in the file are kept. The op layer then picks the entry nearest to a
+call's expected tokens per expert (configs.lookup_config); shapes and modes without a
+table keep the heuristic.
 
 One GPU stands for any EP width: per-rank work with E/R local experts is the same as
 one rank with E/R experts, so tables are keyed by local experts and tuned at R = 1.
@@ -53,6 +54,7 @@ from .heuristics import (
     IMPLEMENTED_BLOCK_M,
     MAX_STAGES,
     MIN_STAGES,
+    NUMERICS_MODES,
     default_num_stages,
     expected_tokens_per_expert,
     max_pipeline_stages,
@@ -78,11 +80,12 @@ class Candidate(NamedTuple):
 
 
 class Point(NamedTuple):
-    """One (shape, token count) of the sweep and the configs it times there."""
+    """One (shape, token count, numerics mode) of the sweep and the configs it times there."""
 
     shape_name: str
     shape: TableShape
     tokens: int
+    numerics: str
     candidates: Tuple[Candidate, ...]
 
     @property
@@ -93,7 +96,8 @@ class Point(NamedTuple):
         """What a call would run without a table (heuristics.default_config at R = 1)."""
         block_m = select_block_m(self.expected_tokens)
         s = self.shape
-        return Candidate(block_m, default_num_stages(block_m, s.num_local_experts, s.hidden, s.intermediate_size))
+        return Candidate(block_m, default_num_stages(block_m, s.num_local_experts, s.hidden, s.intermediate_size,
+                                                     numerics=self.numerics))
 
 
 # (candidate, median seconds), fastest first.
@@ -111,43 +115,48 @@ def tier_candidates(expected_tokens: float, tiers: Optional[Sequence[int]] = Non
     return IMPLEMENTED_BLOCK_M[max(0, i - 1): i + 2]
 
 
-def stage_candidates(block_m: int, shape: TableShape, stages: Optional[Sequence[int]] = None) -> Tuple[int, ...]:
-    """Of `stages` (if given) those that fit in shared memory; else the heuristic's depth
-    (as many as fit, up to MAX_STAGES) and MAX_STAGES / 2, which shows whether the
-    deepest pipeline is worth its shared memory."""
-    most = max_pipeline_stages(block_m, shape.num_local_experts)
+def stage_candidates(block_m: int, shape: TableShape, numerics: str,
+                     stages: Optional[Sequence[int]] = None) -> Tuple[int, ...]:
+    """Of `stages` (if given) those that fit in shared memory in this numerics mode; else
+    the heuristic's depth (as many as fit, up to MAX_STAGES) and MAX_STAGES / 2, which
+    shows whether the deepest pipeline is worth its shared memory."""
+    most = max_pipeline_stages(block_m, shape.num_local_experts, numerics=numerics)
     if stages is not None:
         return tuple(sorted({s for s in stages if s <= most}))
-    heuristic = default_num_stages(block_m, shape.num_local_experts, shape.hidden, shape.intermediate_size)
+    heuristic = default_num_stages(block_m, shape.num_local_experts, shape.hidden, shape.intermediate_size,
+                                   numerics=numerics)
     return tuple(sorted({heuristic, min(max(MIN_STAGES, MAX_STAGES // 2), most)}))
 
 
-def plan(shapes: Mapping[str, TableShape], tokens: Sequence[int], tiers: Optional[Sequence[int]] = None,
-         stages: Optional[Sequence[int]] = None) -> List[Point]:
-    """The sweep's points, grouped by shape (the timer builds one layer per shape)."""
+def plan(shapes: Mapping[str, TableShape], tokens: Sequence[int], numerics: Sequence[str] = NUMERICS_MODES,
+         tiers: Optional[Sequence[int]] = None, stages: Optional[Sequence[int]] = None) -> List[Point]:
+    """The sweep's points, grouped by shape (the timer builds one layer per shape), then by
+    token count (the modes of one count time the same inputs)."""
     points = []
     for name, shape in shapes.items():
         for n in sorted(set(tokens)):
             expected = expected_tokens_per_expert(n, 1, shape.num_topk, shape.num_local_experts)
-            candidates = tuple(Candidate(block_m, s) for block_m in tier_candidates(expected, tiers)
-                               for s in stage_candidates(block_m, shape, stages))
-            if not candidates:
-                raise ValueError(f"--stages {','.join(map(str, stages))}: none fits in shared memory at any of the "
-                                 f"tiers {tier_candidates(expected, tiers)} for {name} ({shape.num_local_experts} "
-                                 f"local experts)")
-            points.append(Point(name, shape, n, candidates))
+            for mode in dict.fromkeys(numerics):
+                candidates = tuple(Candidate(block_m, s) for block_m in tier_candidates(expected, tiers)
+                                   for s in stage_candidates(block_m, shape, mode, stages))
+                if not candidates:
+                    raise ValueError(f"--stages {','.join(map(str, stages))}: none fits in shared memory at any of "
+                                     f"the tiers {tier_candidates(expected, tiers)} for {name} "
+                                     f"({shape.num_local_experts} local experts) in {mode} numerics")
+                points.append(Point(name, shape, n, mode, candidates))
     return points
 
 
-def variant_of(shape: TableShape, candidate: Candidate) -> KernelVariant:
+def variant_of(point: Point, candidate: Candidate) -> KernelVariant:
     """The kernel a candidate runs: one rank, fast_math on (the op's default)."""
-    return KernelVariant(shape.hidden, shape.intermediate_size, shape.num_topk, shape.num_local_experts, 1,
-                         candidate.block_m, candidate.num_stages, True)
+    s = point.shape
+    return KernelVariant(s.hidden, s.intermediate_size, s.num_topk, s.num_local_experts, 1, candidate.block_m,
+                         candidate.num_stages, True, point.numerics)
 
 
 def variants_of(points: Sequence[Point]) -> List[KernelVariant]:
     """Every distinct kernel variant the points time, in sweep order."""
-    return list(dict.fromkeys(variant_of(p.shape, c) for p in points for c in p.candidates))
+    return list(dict.fromkeys(variant_of(p, c) for p in points for c in p.candidates))
 
 
 def compile_all(points: Sequence[Point]) -> List[Point]:
@@ -158,15 +167,17 @@ def compile_all(points: Sequence[Point]) -> List[Point]:
     progress = progress_bar(len(variants), "megamoe tune: compiling", "variant")
     results = compile_variants(variants, on_done=lambda v: progress.update())
     progress.close()
-    failed = {v for v, r in zip(variants, results) if isinstance(r, RuntimeError)}
+    failed = set()
     for v, r in zip(variants, results):
-        if v in failed:
+        if isinstance(r, RuntimeError):
+            failed.add(v)
             print(f"megamoe tune: {v.name()} does not compile, left out of the sweep:\n{r}", file=sys.stderr)
     kept = []
     for p in points:
-        candidates = tuple(c for c in p.candidates if variant_of(p.shape, c) not in failed)
+        candidates = tuple(c for c in p.candidates if variant_of(p, c) not in failed)
         if not candidates:
-            raise RuntimeError(f"megamoe tune: no candidate of {p.shape_name} at {p.tokens} tokens compiles")
+            raise RuntimeError(f"megamoe tune: no candidate of {p.shape_name} at {p.tokens} tokens in {p.numerics} "
+                               "numerics compiles")
         kept.append(p._replace(candidates=candidates))
     return kept
 
@@ -177,7 +188,7 @@ def sweep(points: Sequence[Point], timer: Timer) -> List[Tuple[Point, Timings]]:
     progress = progress_bar(sum(len(p.candidates) for p in points), "megamoe tune: timing", "config")
     results = []
     for p in points:
-        progress.set_postfix_str(f"{p.shape_name}, {p.tokens} tokens")
+        progress.set_postfix_str(f"{p.shape_name}, {p.tokens} tokens, {p.numerics}")
         timings = []
         for c in p.candidates:
             timings.append((c, timer(p, c)))
@@ -192,11 +203,12 @@ def _us(seconds: float) -> float:
 
 
 def tables_from(results: Sequence[Tuple[Point, Timings]], note: str) -> List[Dict[str, Any]]:
-    """Table objects (configs schema version 2), one per shape: each point's winner with
-    its time and the runner-up."""
-    tables: Dict[TableShape, Dict[str, Any]] = {}
+    """Table objects (configs schema version 2), one per shape and numerics mode: each
+    point's winner with its time and the runner-up."""
+    tables: Dict[Tuple[TableShape, str], Dict[str, Any]] = {}
     for point, timings in results:
-        table = tables.setdefault(point.shape, {"shape": point.shape._asdict(), "note": note, "entries": {}})
+        table = tables.setdefault((point.shape, point.numerics), {
+            "shape": point.shape._asdict(), "numerics": point.numerics, "note": note, "entries": {}})
         (best, t_best), *rest = timings
         entry: Dict[str, Any] = {"block_m": best.block_m, "num_stages": best.num_stages, "us": _us(t_best)}
         if rest:
@@ -208,12 +220,14 @@ def tables_from(results: Sequence[Tuple[Point, Timings]], note: str) -> List[Dic
 
 def merged_file(existing: Optional[Dict[str, Any]], gpu: str, tables: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """The table file with `tables` in place of the existing file's tables of the same
-    shapes (a new table serves every numerics mode, so it replaces all of a shape's).
-    Tables of other shapes are kept; a version-1 file's note moves onto its tables."""
-    swept = [t["shape"] for t in tables]
+    shape and numerics mode. A table for both modes goes once every mode of its shape has
+    a new table, as nothing would read it; other tables are kept, and a version-1 file's
+    note moves onto its tables."""
+    swept = [(t["shape"], t["numerics"]) for t in tables]
     kept = []
     for old in (existing or {}).get("tables", []):
-        if old["shape"] in swept:
+        modes = [old["numerics"]] if "numerics" in old else NUMERICS_MODES
+        if all((old["shape"], mode) in swept for mode in modes):
             continue
         old = dict(old)
         if existing["version"] == 1 and "note" in existing:
@@ -245,15 +259,15 @@ def write_table(results: Sequence[Tuple[Point, Timings]], gpu: str, output_dir: 
 
 def summary(results: Sequence[Tuple[Point, Timings]]) -> str:
     """The winners beside the heuristic's config: what the table changes."""
-    lines = [f"{'shape':8s} {'tokens':>6s} {'rows/exp':>8s}  {'winner':>8s} {'us':>8s}  {'runner-up':>9s} {'us':>8s}"
-             f"  {'heuristic':>9s} {'us':>8s}"]
+    lines = [f"{'shape':8s} {'tokens':>6s} {'rows/exp':>8s} {'numerics':8s}  {'winner':>8s} {'us':>8s}  "
+             f"{'runner-up':>9s} {'us':>8s}  {'heuristic':>9s} {'us':>8s}"]
     for p, timings in results:
         (best, t_best), *rest = timings
         second = f"{rest[0][0].block_m}/{rest[0][0].num_stages}" if rest else "-"
         t_second = f"{_us(rest[0][1]):8.1f}" if rest else f"{'-':>8s}"
         heuristic = p.heuristic()
         t_heuristic = dict(timings).get(heuristic)
-        lines.append(f"{p.shape_name:8s} {p.tokens:6d} {p.expected_tokens:8.4g}  "
+        lines.append(f"{p.shape_name:8s} {p.tokens:6d} {p.expected_tokens:8.4g} {p.numerics:8s}  "
                      f"{f'{best.block_m}/{best.num_stages}':>8s} {_us(t_best):8.1f}  {second:>9s} {t_second}  "
                      f"{f'{heuristic.block_m}/{heuristic.num_stages}':>9s} "
                      + (f"{_us(t_heuristic):8.1f}" if t_heuristic is not None else f"{'not run':>8s}"))
@@ -262,9 +276,9 @@ def summary(results: Sequence[Tuple[Point, Timings]]) -> str:
 
 def describe_plan(points: Sequence[Point], iters: int) -> str:
     """--dry-run: every point's candidates (block_m/stages) and what the sweep will cost."""
-    lines = [f"{'shape':8s} {'tokens':>6s} {'rows/exp':>8s}  candidates (block_m/stages)"]
+    lines = [f"{'shape':8s} {'tokens':>6s} {'rows/exp':>8s} {'numerics':8s}  candidates (block_m/stages)"]
     for p in points:
-        lines.append(f"{p.shape_name:8s} {p.tokens:6d} {p.expected_tokens:8.4g}  "
+        lines.append(f"{p.shape_name:8s} {p.tokens:6d} {p.expected_tokens:8.4g} {p.numerics:8s}  "
                      + " ".join(f"{c.block_m}/{c.num_stages}" for c in p.candidates))
     configs = sum(len(p.candidates) for p in points)
     # Per candidate: one eager call before the capture (kernel load), the warm-up
@@ -339,7 +353,8 @@ class KernelTimer:
         if point.tokens != self.tokens:
             self._load_tokens(point.tokens)
         with forced(candidate):  # the variant is chosen in the eager call and baked into the graph
-            replay = graphed(functools.partial(fp8_mega_moe, self.y, self.layer.l1, self.layer.l2, self.buf))
+            replay = graphed(functools.partial(fp8_mega_moe, self.y, self.layer.l1, self.layer.l2, self.buf,
+                                               numerics=point.numerics))
         return median_call_seconds(replay, self.iters, self.flush)
 
 
@@ -361,6 +376,14 @@ def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return int(text)
+
+
+def _modes(text: str) -> Tuple[str, ...]:
+    modes = tuple(text.split(","))
+    for mode in modes:
+        if mode not in NUMERICS_MODES:
+            raise argparse.ArgumentTypeError(f"{mode!r} is not one of {NUMERICS_MODES}")
+    return modes
 
 
 def _shapes(text: str) -> Dict[str, TableShape]:
@@ -390,6 +413,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "LOCALxHIDDENxINTERxTOPK, comma-separated")
     parser.add_argument("--tokens", type=_int_list(1), default=REFERENCE_TOKENS_PER_RANK,
                         help="tokens per rank to tune at (default: %(default)s)")
+    parser.add_argument("--numerics", type=_modes, default=NUMERICS_MODES,
+                        help="numerics modes to tune, a table each (DESIGN.md section 2; default: %(default)s)")
     parser.add_argument("--tiers", type=_int_list(1, IMPLEMENTED_BLOCK_M),
                         help="BLOCK_M tiers to time at every token count (default: the heuristic's and its neighbours)")
     parser.add_argument("--stages", type=_int_list(MIN_STAGES),
@@ -403,7 +428,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     mode.add_argument("--compile-only", action="store_true", help="compile every candidate variant (no GPU needed)")
     args = parser.parse_args(argv)
     try:
-        args.points = plan(args.shapes, args.tokens, args.tiers, args.stages)
+        args.points = plan(args.shapes, args.tokens, args.numerics, args.tiers, args.stages)
     except ValueError as exc:
         parser.error(str(exc))
     return args

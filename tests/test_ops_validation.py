@@ -225,3 +225,11 @@ def test_select_variant_follows_forced_num_stages_and_configs_dir(monkeypatch, t
     table_path("Test GPU", tmp_path).write_text(json.dumps({"gpu": "Test GPU", "version": 2, "tables": [table]}))
     monkeypatch.setenv("MEGAMOE_CONFIGS_DIR", str(tmp_path))
     assert (ops.select_variant(buf, 1, True).block_m, ops.select_variant(buf, 1, True).num_stages) == (32, 4)
+    # A table for one numerics mode serves only calls in that mode.
+    table["numerics"] = "exact"
+    other = tmp_path / "other"  # a new directory: the loader has not cached it
+    other.mkdir()
+    table_path("Test GPU", other).write_text(json.dumps({"gpu": "Test GPU", "version": 2, "tables": [table]}))
+    monkeypatch.setenv("MEGAMOE_CONFIGS_DIR", str(other))
+    exact, fast = ops.select_variant(buf, 1, True, "exact"), ops.select_variant(buf, 1, True, "fast")
+    assert (exact.block_m, exact.num_stages, exact.numerics, fast.block_m, fast.num_stages) == (32, 4, "exact", 8, 6)
