@@ -167,7 +167,13 @@ def warmup_token_counts(max_tokens: int, capture_sizes: Optional[Sequence[int]])
     return sorted(counts)
 
 
-def maybe_warmup(buf, l1, l2, token_counts: Iterable[int]) -> None:
+def vllm_numerics() -> Optional[str]:
+    """The kernel's numerics mode in vLLM: "exact" (bitwise batch-invariant) under
+    VLLM_BATCH_INVARIANT=1, else None (MEGAMOE_NUMERICS, default "fast"; DESIGN.md section 2)."""
+    return "exact" if os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0") else None
+
+
+def maybe_warmup(buf, l1, l2, token_counts: Iterable[int], numerics: Optional[str] = None) -> None:
     """Compile every kernel variant these token counts select, once per buffer/weights shape."""
     import megamoe_plugin.ops as ops
 
@@ -179,7 +185,7 @@ def maybe_warmup(buf, l1, l2, token_counts: Iterable[int]) -> None:
     t0 = time.perf_counter()
     logger.info("megamoe_sm90: compiling the kernel variants for %d batch sizes (%d..%d tokens)", len(counts),
                 counts[0], counts[-1])
-    n = ops.warmup(buf, l1, l2, counts)
+    n = ops.warmup(buf, l1, l2, counts, numerics=numerics)
     logger.info("megamoe_sm90: %s kernel variant(s) ready in %.1fs", n, time.perf_counter() - t0)
 
 
@@ -187,12 +193,13 @@ def maybe_warmup(buf, l1, l2, token_counts: Iterable[int]) -> None:
 
 
 def run_kernel(output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
-               topk_weights: torch.Tensor, l1, l2, buf, activation_clamp: Optional[float]) -> None:
+               topk_weights: torch.Tensor, l1, l2, buf, activation_clamp: Optional[float],
+               numerics: Optional[str] = None) -> None:
     import megamoe_plugin as mm
 
     n = mm.stage_inputs(buf, hidden_states, topk_ids, topk_weights)
     mm.fp8_mega_moe(output[:n], l1, l2, buf, activation_clamp=activation_clamp, fast_math=True,
-                    config_num_tokens=rank_equal_num_tokens(n))
+                    config_num_tokens=rank_equal_num_tokens(n), numerics=numerics)
 
 
 def run_reference(output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,

@@ -67,6 +67,7 @@ class LayerRuntime:
         self.max_tokens = max_tokens
         self.warmup_counts = executor.warmup_token_counts(max_tokens, capture_sizes)
         self.activation_clamp = None if activation_clamp is None else float(activation_clamp)
+        self.numerics = executor.vllm_numerics()
 
     def buffer(self, device: torch.device):
         return executor.get_buffer(self.group, device, self.num_experts, self.max_tokens, self.topk, self.hidden,
@@ -78,8 +79,9 @@ class LayerRuntime:
             hidden_states = hidden_states.contiguous()
         buf = self.buffer(hidden_states.device)
         if self.executor == "kernel":
-            executor.maybe_warmup(buf, l1, l2, self.warmup_counts)
-            executor.run_kernel(output, hidden_states, topk_ids, topk_weights, l1, l2, buf, self.activation_clamp)
+            executor.maybe_warmup(buf, l1, l2, self.warmup_counts, self.numerics)
+            executor.run_kernel(output, hidden_states, topk_ids, topk_weights, l1, l2, buf, self.activation_clamp,
+                                self.numerics)
         else:
             executor.run_reference(output, hidden_states, topk_ids, topk_weights, l1, l2, buf, self.num_experts,
                                    self.activation_clamp)
@@ -101,6 +103,12 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
     @staticmethod
     def _supports_current_device() -> bool:
         return refusals.get_probe().device_capability() == (9, 0)
+
+    @staticmethod
+    def _supports_batch_invariance() -> bool:
+        # Under VLLM_BATCH_INVARIANT=1 the layer runs numerics="exact" (executor.vllm_numerics),
+        # whose rows are bitwise independent of the rest of the batch (tests/gpu/test_batch_invariance.py).
+        return True
 
     @staticmethod
     def _supports_no_act_and_mul() -> bool:

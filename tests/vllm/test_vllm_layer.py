@@ -316,9 +316,10 @@ def kernel_executor_with_fake_op(monkeypatch):
     calls = {"op": [], "warmup": []}
 
     def fake_op(y, l1, l2, buf, activation_clamp=None, fast_math=True, cumulative_local_expert_recv_stats=None,
-                config_num_tokens=None):
+                config_num_tokens=None, numerics=None):
         n = y.shape[0]
-        calls["op"].append(dict(n=n, l1=l1, l2=l2, buf=buf, clamp=activation_clamp, config=config_num_tokens))
+        calls["op"].append(dict(n=n, l1=l1, l2=l2, buf=buf, clamp=activation_clamp, config=config_num_tokens,
+                                numerics=numerics))
         if n:
             (w13, s13), (w2, s2) = mm.untransform_weights(tuple(l1), tuple(l2))
             ranks = [dict(x=buf.x[:n], x_sf=buf.x_sf[:n], topk_idx=buf.topk_idx[:n],
@@ -328,8 +329,8 @@ def kernel_executor_with_fake_op(monkeypatch):
             y.copy_(ref)
         return y
 
-    def fake_warmup(buf, l1, l2, counts, fast_math=True):
-        calls["warmup"].append((buf, list(counts)))
+    def fake_warmup(buf, l1, l2, counts, fast_math=True, numerics=None):
+        calls["warmup"].append((buf, list(counts), numerics))
         return 1
 
     monkeypatch.setattr(mm, "fp8_mega_moe", fake_op)
@@ -369,6 +370,22 @@ def test_kernel_executor_glue(vllm_config, dist_env, kernel_executor_with_fake_o
     assert first["l1"][0] is ex.w13_weight and first["l1"][1] is ex.w13_weight_scale_inv
     assert first["l2"][0] is ex.w2_weight and first["l2"][1] is ex.w2_weight_scale_inv
     assert first["n"] == 6 and first["config"] == 6 and first["clamp"] is None
+    assert first["numerics"] is None  # MEGAMOE_NUMERICS, else "fast"
+
+
+def test_batch_invariant_vllm_runs_exact_numerics(vllm_config, dist_env, kernel_executor_with_fake_op, monkeypatch):
+    """VLLM_BATCH_INVARIANT=1: vLLM accepts only experts that declare batch invariance, and
+    ours keep that promise by running (and warming up) numerics="exact"."""
+    from megamoe_plugin.vllm_plugin.moe_method import MegaMoEExperts
+
+    assert MegaMoEExperts._supports_batch_invariance() is True
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    calls = kernel_executor_with_fake_op
+    layer, ckpt, _ = _loaded_layer(vllm_config, seed=13)
+    x, logits = _inputs(5, seed=6)
+    _assert_close(_forward(vllm_config, layer, x, logits), torch_moe(x, logits, ckpt, TOPK))
+    assert [c["numerics"] for c in calls["op"]] == ["exact"]
+    assert [w[2] for w in calls["warmup"]] == ["exact"]
 
 
 def test_kernel_executor_zero_tokens_still_calls_op(vllm_config, dist_env, kernel_executor_with_fake_op):
