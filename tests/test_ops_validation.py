@@ -147,11 +147,12 @@ def test_select_variant_carries_the_numerics_mode(monkeypatch):
         jit.KernelVariant(4096, 2048, 6, 32, 1, 64, 4, True, "fp8")
 
 
-def test_select_variant_is_memoized_and_follows_forced_block_m(monkeypatch):
+def test_select_variant_is_memoized_and_follows_forced_block_m(monkeypatch, tmp_path):
     """select_variant runs on every call: the second lookup is the same object, and a
     changed MEGAMOE_BLOCK_M still takes effect."""
     from megamoe_plugin import ops
 
+    monkeypatch.setenv("MEGAMOE_CONFIGS_DIR", str(tmp_path))  # no table: the heuristic's tiers
     monkeypatch.setattr(ops, "_device_name", lambda device: "NVIDIA H200")
     monkeypatch.setattr(ops, "_grid_size", lambda buf: 132)
     monkeypatch.delenv("MEGAMOE_BLOCK_M", raising=False)
