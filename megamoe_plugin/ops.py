@@ -4,6 +4,9 @@ Everything that does not change between calls (the compiled kernel, TMA descript
 over the buffer and the weights, the launch configuration) is built on the first call
 for a (buffer, weights, variant) and cached, so a call is argument checks plus one
 launch on the current stream: no host sync, no allocation, capturable in a CUDA graph.
+
+What kernels report without anyone waiting for them (a timed-out wait, dropped routing
+entries) reaches the log through `watchdog`, started with the first kernel load.
 """
 from __future__ import annotations
 
@@ -20,10 +23,11 @@ from .buffer import SymmBuffer
 from .heuristics import DEFAULT_NUMERICS
 from .jit import NUM_THREADS, KERNEL_NAME, KernelVariant, compile_variant, compile_variants
 from .progress import progress_bar
+from .watchdog import Watchdog
 
 WeightPair = Tuple[torch.Tensor, torch.Tensor]
 
-# Why a kernel stopped (csrc/megamoe/params.h ErrorCode).
+# Why a kernel stopped (csrc/megamoe/params.h ErrorCode: the low byte of HostWords::error).
 _ERROR_NAMES = {
     1: "grid barrier (a CTA of this rank never arrived: are all SMs free for the persistent grid?)",
     2: "cross-rank barrier (a peer rank did not call fp8_mega_moe, or it is stuck)",
@@ -31,12 +35,10 @@ _ERROR_NAMES = {
     4: "TMA pipeline 'empty' barrier (math warpgroups stopped consuming)",
     5: "L1 rows of an m-block (an L2 tile waited for the L1 tiles that write its act rows)",
 }
+# Where HostWords::error keeps the rank and the kernel tag (csrc/megamoe/params.h).
+_ERROR_RANK_SHIFT = 8
+_ERROR_TAG_SHIFT = 16
 
-
-# Input errors a kernel survived (csrc/megamoe/params.h InputError): it dropped the entry.
-_INPUT_ERROR_NAMES = {
-    1: "topk_idx held an expert id outside [-1, num_experts); those slots were dropped, so that call's y is wrong",
-}
 
 
 def _timeout_s() -> float:
@@ -69,23 +71,51 @@ def _runtime():
     return _runtime
 
 
+def describe_error(word: int) -> str:
+    """What a failure word (csrc/megamoe/params.h HostWords::error) says: the wait, the rank
+    and the kernel variant."""
+    code, rank, tag = word & 0xFF, (word >> _ERROR_RANK_SHIFT) & 0xFF, word >> _ERROR_TAG_SHIFT
+    wait = _ERROR_NAMES.get(code, f"unknown wait {code}")
+    variant = next((v for (_, v), handle in list(_kernels.items()) if handle == tag), None)
+    kernel = variant.name() if variant is not None else f"with handle {tag}"
+    return (f"megamoe kernel timed out waiting on the {wait}; rank {rank}, kernel {kernel}. The CUDA context is "
+            "lost: restart the process")
+
+
 def kernel_error() -> Optional[str]:
     """The failure recorded by an earlier kernel in this process, or None."""
-    code = _runtime().read_error_word()
-    if code == 0:
-        return None
-    return f"megamoe kernel timed out waiting on the {_ERROR_NAMES.get(code & 0xFF, f'unknown wait {code}')}"
+    word = _runtime().read_error_word()
+    return describe_error(word) if word else None
+
+
+def describe_bad_expert_ids(count: int) -> str:
+    return (f"megamoe: {count} topk_idx entr{'y' if count == 1 else 'ies'} outside [-1, num_experts) met by "
+            "fp8_mega_moe calls since the last report; the kernel dropped them like empty slots, so those calls' y "
+            "is wrong")
+
+
+# The bad-expert-id count (HostWords::bad_expert_ids, never cleared) up to which
+# raise_input_errors has raised; the watchdog keeps its own.
+_bad_expert_ids_raised = 0
 
 
 def raise_input_errors() -> None:
-    """Raises ValueError if a kernel launched earlier in this process met invalid input
-    (and clears the record). It reads host memory the kernels write, without waiting for
+    """Raises ValueError if kernels launched earlier in this process met invalid input since
+    the last such ValueError. It reads host memory the kernels write, without waiting for
     them: fp8_mega_moe calls it before each launch, synchronize() after the wait, so an
-    error surfaces at the latest at the call after the bad one (or after a graph replay)."""
-    errors = _runtime().take_input_errors()
-    if errors:
-        names = [name for bit, name in _INPUT_ERROR_NAMES.items() if errors & bit] or [f"input error {errors}"]
-        raise ValueError("megamoe: an earlier fp8_mega_moe call's " + "; ".join(names))
+    error surfaces at the latest at the eager call after the bad one (or after a graph
+    replay; the watchdog logs it meanwhile). Inside graph capture it leaves the error for the
+    next eager call: raising there would abort the capture, not the bad call."""
+    global _bad_expert_ids_raised
+    total = _runtime().read_bad_expert_ids()
+    if total == _bad_expert_ids_raised or torch.cuda.is_current_stream_capturing():
+        return
+    new, _bad_expert_ids_raised = total - _bad_expert_ids_raised, total
+    raise ValueError(describe_bad_expert_ids(new))
+
+
+_watchdog = Watchdog(lambda: _runtime().read_error_word(), lambda: _runtime().read_bad_expert_ids(), describe_error,
+                     describe_bad_expert_ids)
 
 
 def synchronize() -> None:
@@ -285,6 +315,7 @@ def _kernel_handle(device: torch.device, variant: KernelVariant) -> int:
         with torch.cuda.device(device):
             handle = _runtime().load_kernel(str(compiled.cubin), KERNEL_NAME, compiled.smem_bytes)
         _kernels[key] = handle
+        _watchdog.start()  # before the first launch of any kernel
     return handle
 
 
@@ -336,8 +367,9 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     """The fused MoE of DESIGN.md section 2 for this rank's first y.shape[0] tokens,
     whose inputs the caller wrote into buf.x / x_sf / topk_idx / topk_weights.
     Every rank of the buffer's group calls it each step (also with 0 tokens). Writes y.
-    topk_idx values must lie in [-1, E) (-1: empty slot); the kernel drops any other value
-    and this function (next call) or synchronize() raises ValueError for it.
+    topk_idx values must lie in [-1, E) (-1: empty slot); the kernel drops and counts any
+    other value, the watchdog logs it, and this function (next eager call) or synchronize()
+    raises ValueError for it.
 
     `config_num_tokens` is the token count the kernel variant is chosen by (default
     y.shape[0]); pass a value equal on every rank (vLLM: the DP-padded batch size).
@@ -363,6 +395,6 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     except RuntimeError as exc:  # the runtime refuses to launch after a kernel failed: say which wait
         reason = kernel_error()
         if reason is not None:
-            raise RuntimeError(f"{reason}; the CUDA context is unusable") from exc
+            raise RuntimeError(reason) from exc
         raise
     return y

@@ -58,6 +58,8 @@ __device__ __forceinline__ bool is_valid_expert(int64_t e, int num_experts) { re
 // Send side, step 1: count this rank's entries per global expert. Each CTA first
 // histograms its share of the entries in shared memory (`local_count`, kept for step 2),
 // so the global counters take one atomic per (CTA, expert) instead of one per entry.
+// An expert id outside [-1, E) is dropped like a masked slot and counted into
+// HostWords::bad_expert_ids (the host reports it).
 template <class Cfg>
 __device__ void dispatch_count(const KernelParams& p, uint8_t* base, int* local_count) {
   const int64_t* topk_idx = reinterpret_cast<const int64_t*>(base + p.off.topk_idx);
@@ -65,16 +67,24 @@ __device__ void dispatch_count(const KernelParams& p, uint8_t* base, int* local_
   for (int e = threadIdx.x; e < Cfg::kNumExperts; e += blockDim.x) local_count[e] = 0;
   __syncthreads();
   const int num_entries = p.num_tokens * Cfg::kTopk;
+  uint32_t bad = 0;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < num_entries; i += gridDim.x * blockDim.x) {
     const int64_t e = topk_idx[i];
     if (is_valid_expert(e, Cfg::kNumExperts)) {
       atomicAdd(local_count + e, 1);
-    } else if (e != -1) {
-      // Dropped like a masked slot, and reported: every writer stores the same value.
-      *reinterpret_cast<volatile uint32_t*>(p.host_input_error) = kInputErrExpertIndex;
+    } else {
+      bad += e != -1;
     }
   }
-  __syncthreads();
+  // The barrier the histogram needs anyway tells whether this CTA met a bad id. Only then
+  // (never in a valid call) the CTA sums its threads' counts a bit at a time with barrier
+  // counts, needing no shared memory, and adds the sum with one system atomic.
+  if (__syncthreads_or(bad != 0)) {
+    unsigned long long total = 0;
+    for (int b = 0; __syncthreads_or((bad >> b) != 0); ++b)
+      total += static_cast<unsigned long long>(__syncthreads_count((bad >> b) & 1u)) << b;
+    if (threadIdx.x == 0) atomicAdd_system(&p.host->bad_expert_ids, total);
+  }
   for (int e = threadIdx.x; e < Cfg::kNumExperts; e += blockDim.x)
     if (local_count[e] != 0) atomicAdd(send_count + e, local_count[e]);
 }

@@ -9,8 +9,7 @@ namespace megamoe {
 
 constexpr int kMaxRanks = 8;
 
-// Error codes written to the host-mapped error word before the kernel traps.
-// Low 8 bits: which wait timed out; the host names it (runtime.cpp kErrorNames).
+// Which wait timed out: the low 8 bits of HostWords::error (ops.py names them).
 enum ErrorCode : uint32_t {
   kErrNone = 0,
   kErrGridBarrierTimeout = 1,
@@ -20,11 +19,23 @@ enum ErrorCode : uint32_t {
   kErrL1RowsTimeout = 5,
 };
 
-// Input errors the kernel survives (it drops the offending entry and goes on), written to
-// the second host-mapped word; the op layer raises them at the next call (ops.py).
-enum InputError : uint32_t {
-  kInputErrExpertIndex = 1,  // a topk_idx value outside [-1, num_experts)
+// What kernels report to the host, in host-mapped memory (one per process, runtime.cpp).
+// The host reads it with plain loads and no CUDA call, so a report arrives while a CUDA
+// graph replays and after a trap has killed the context (megamoe_plugin/watchdog.py polls it).
+struct HostWords {
+  // The first failure of any kernel in the process, written once (compare-and-swap from 0)
+  // before that kernel traps: ErrorCode | KernelParams::rank << kErrorRankShift |
+  // KernelParams::kernel_tag << kErrorTagShift.
+  uint32_t error;
+  uint32_t unused;
+  // topk_idx entries outside [-1, num_experts) that calls dropped, since the process began
+  // (64-bit: never wraps). Each CTA adds its own count once; nobody clears it: each reader
+  // remembers how far it has reported.
+  unsigned long long bad_expert_ids;
 };
+constexpr int kErrorRankShift = 8;
+constexpr int kErrorTagShift = 16;
+constexpr uint32_t kMaxKernelTag = 0xFFFF;
 
 // Byte offsets of the symmetric-buffer regions (megamoe_plugin/buffer.py defines them).
 struct BufferOffsets {
@@ -68,11 +79,11 @@ struct KernelParams {
   float activation_clamp;  // +inf when off
   int num_tokens;
   int stop_after_phase;    // debugging: 0 runs every phase; k returns after phase k (kernel.cuh)
+  uint32_t kernel_tag;     // the launch's kernel handle (<= kMaxKernelTag), so a failure names its variant
 
   int rank;
   int pool_capacity;
-  uint32_t* host_error;    // host-mapped word: first failure's code, then the kernel traps
-  uint32_t* host_input_error;  // host-mapped word: InputError seen (sticky until the host clears it)
+  HostWords* host;         // host-mapped reports (see HostWords)
   uint64_t timeout_ns;     // bound of every wait
 };
 

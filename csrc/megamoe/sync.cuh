@@ -1,5 +1,5 @@
 // Synchronization primitives, all bounded: every wait gives up after
-// KernelParams::timeout_ns, records which wait failed in the host-mapped error word
+// KernelParams::timeout_ns, records which wait failed in the host-mapped HostWords::error
 // and traps, so a protocol bug fails fast with a name instead of hanging.
 //
 // Barriers used by the kernel:
@@ -21,8 +21,11 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
+// Records which wait failed, on which rank, in which kernel variant (HostWords::error), then
+// traps: the host names all three even when nobody synchronizes (a CUDA graph replay).
 [[noreturn]] __device__ __noinline__ void fail(const KernelParams& p, uint32_t code) {
-  atomicCAS_system(p.host_error, 0u, code);
+  const uint32_t word = code | static_cast<uint32_t>(p.rank) << kErrorRankShift | p.kernel_tag << kErrorTagShift;
+  atomicCAS_system(&p.host->error, 0u, word);
   __threadfence_system();
   __trap();
   __builtin_unreachable();

@@ -74,27 +74,25 @@ void check(CUresult res, const char* what) {
   throw std::runtime_error(std::string("megamoe: ") + what + " failed: " + (msg ? msg : "unknown CUDA error"));
 }
 
-// ---------------------------------------------------------------- error words
-// Two host-mapped words per process. [0]: the kernel writes the first failure's code there
-// before trapping, so the host can name the failed wait even after the context died.
-// [1]: input errors the kernel survived (params.h InputError), cleared by the host.
-struct ErrorWord {
-  uint32_t* host = nullptr;
-  uint32_t* device = nullptr;
+// ---------------------------------------------------------------- host words
+// One params.h HostWords per process, host-mapped (portable: every context and device of
+// the process writes the same one). The host side only ever reads it, with volatile loads.
+struct HostWordsMapping {
+  volatile megamoe::HostWords* host = nullptr;
+  megamoe::HostWords* device = nullptr;
 };
 
-ErrorWord& error_word() {
-  static ErrorWord w = [] {
-    ErrorWord r;
+HostWordsMapping& host_words() {
+  static HostWordsMapping w = [] {
+    HostWordsMapping r;
     void* host = nullptr;
-    check(driver().MemHostAlloc(&host, 2 * sizeof(uint32_t), CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE),
-          "cuMemHostAlloc(error words)");
-    r.host = static_cast<uint32_t*>(host);
-    r.host[0] = 0;
-    r.host[1] = 0;
+    check(driver().MemHostAlloc(&host, sizeof(megamoe::HostWords), CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE),
+          "cuMemHostAlloc(host words)");
+    std::memset(host, 0, sizeof(megamoe::HostWords));
+    r.host = static_cast<volatile megamoe::HostWords*>(host);
     CUdeviceptr dev = 0;
-    check(driver().MemHostGetDevicePointer(&dev, host, 0), "cuMemHostGetDevicePointer(error word)");
-    r.device = reinterpret_cast<uint32_t*>(dev);
+    check(driver().MemHostGetDevicePointer(&dev, host, 0), "cuMemHostGetDevicePointer(host words)");
+    r.device = reinterpret_cast<megamoe::HostWords*>(dev);
     return r;
   }();
   return w;
@@ -108,11 +106,13 @@ struct Kernel {
 
 std::mutex g_mutex;
 std::map<std::string, CUmodule> g_modules;        // cubin path -> module (per current context)
-std::vector<std::unique_ptr<Kernel>> g_kernels;   // handles given to Python
+std::vector<std::unique_ptr<Kernel>> g_kernels;   // handles given to Python; a handle is also the kernel's tag
 std::vector<std::unique_ptr<megamoe::KernelParams>> g_params;
 
 int load_kernel(const std::string& cubin_path, const std::string& name, int smem_bytes) {
   std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_kernels.size() > megamoe::kMaxKernelTag)
+    throw std::runtime_error("megamoe: more kernel handles than a failure report can name");
   CUcontext ctx = nullptr;
   check(driver().CtxGetCurrent(&ctx), "cuCtxGetCurrent");
   if (ctx == nullptr) throw std::runtime_error("megamoe: no current CUDA context (initialize torch.cuda first)");
@@ -188,8 +188,7 @@ int make_params(const std::vector<uint64_t>& peer_ptrs, int rank, const std::map
   p->w2_scale = reinterpret_cast<const float*>(w2_scale);
   p->rank = rank;
   p->pool_capacity = pool_capacity;
-  p->host_error = error_word().device;
-  p->host_input_error = error_word().device + 1;
+  p->host = host_words().device;
   p->timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
   p->activation_clamp = __builtin_inff();
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -202,9 +201,9 @@ void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_st
             int num_ctas, int num_threads, uint64_t stream, int stop_after_phase) {
   if (kernel < 0 || kernel >= static_cast<int>(g_kernels.size())) throw std::invalid_argument("megamoe: bad kernel handle");
   if (params < 0 || params >= static_cast<int>(g_params.size())) throw std::invalid_argument("megamoe: bad params handle");
-  const uint32_t err = *error_word().host;
+  const uint32_t err = host_words().host->error;
   if (err != megamoe::kErrNone)
-    throw std::runtime_error("megamoe: an earlier kernel failed (error code " + std::to_string(err) +
+    throw std::runtime_error("megamoe: an earlier kernel failed (error word " + std::to_string(err) +
                              "); the CUDA context is unusable");
   megamoe::KernelParams p = *g_params[params];
   p.y = reinterpret_cast<void*>(y);
@@ -212,6 +211,7 @@ void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_st
   p.recv_stats = reinterpret_cast<int*>(recv_stats);
   p.activation_clamp = static_cast<float>(activation_clamp);
   p.stop_after_phase = stop_after_phase;
+  p.kernel_tag = static_cast<uint32_t>(kernel);
   void* args[] = {&p};
   const Kernel& k = *g_kernels[kernel];
   check(driver().LaunchKernel(k.function, num_ctas, 1, 1, num_threads, 1, 1, k.smem_bytes,
@@ -219,16 +219,11 @@ void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_st
         "cuLaunchKernel(megamoe)");
 }
 
-uint32_t read_error_word() { return error_word().host[0]; }
+// Plain reads of host memory, no CUDA call: any thread may poll them, also after a trap
+// (megamoe_plugin/watchdog.py), and what a still-running kernel adds shows at a later read.
+uint32_t read_error_word() { return host_words().host->error; }
 
-// Returns and clears the input-error word. A plain read and store of host memory: no
-// synchronization, so an error of a kernel still running shows at a later call.
-uint32_t take_input_errors() {
-  volatile uint32_t* word = error_word().host + 1;
-  const uint32_t errors = *word;
-  if (errors != 0) *word = 0;
-  return errors;
-}
+uint64_t read_bad_expert_ids() { return host_words().host->bad_expert_ids; }
 
 }  // namespace
 
@@ -243,6 +238,6 @@ PYBIND11_MODULE(_runtime, m) {
         py::arg("recv_stats"), py::arg("activation_clamp"), py::arg("num_ctas"), py::arg("num_threads"),
         py::arg("stream"), py::arg("stop_after_phase") = 0);
   m.def("read_error_word", &read_error_word);
-  m.def("take_input_errors", &take_input_errors);
+  m.def("read_bad_expert_ids", &read_bad_expert_ids);
   m.attr("kParamsBytes") = sizeof(megamoe::KernelParams);
 }

@@ -1,6 +1,11 @@
-"""Invalid input the kernel meets on the device ends in a Python ValueError, never in a
-silent wrong answer: an expert id outside [-1, E) is dropped by the kernel and reported
-at the next fp8_mega_moe call (before it launches) or by ops.synchronize()."""
+"""Invalid input the kernel meets on the device ends in a Python ValueError and an ERROR log
+line, never in a silent wrong answer: an expert id outside [-1, E) is dropped by the
+kernel and counted in host-mapped memory; the watchdog logs the count, and the next eager
+fp8_mega_moe call (before it launches) or ops.synchronize() raises it. Also when the bad
+call was a CUDA graph replay."""
+import logging
+import time
+
 import pytest
 import torch
 
@@ -8,7 +13,11 @@ import megamoe_plugin as mm
 from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer
 
 HIDDEN, INTER, TOPK, EXPERTS, MAX_TOKENS = 384, 256, 4, 4, 50  # a precompiled shape (tests/gpu/cases.py)
-MESSAGE = r"topk_idx held an expert id outside \[-1, num_experts\)"
+NUM_TOKENS = 21
+
+
+def message(count):
+    return rf"megamoe: {count} topk_idx entr(y|ies) outside \[-1, num_experts\)"
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +25,7 @@ def setup():
     gen = torch.Generator(device="cuda").manual_seed(11)
     buf = mm.get_symm_buffer(None, EXPERTS, MAX_TOKENS, TOPK, HIDDEN, INTER)
     layer = random_layer(EXPERTS, HIDDEN, INTER, "cuda", gen)
-    inputs = random_inputs(21, HIDDEN, EXPERTS, TOPK, "masked", "cuda", gen)
+    inputs = random_inputs(NUM_TOKENS, HIDDEN, EXPERTS, TOPK, "masked", "cuda", gen)
     return buf, layer, inputs
 
 
@@ -27,10 +36,12 @@ def _run(buf, layer, inputs):
     return y
 
 
-def _with_expert_id(inputs, value):
+def _with_expert_ids(inputs, values):
+    """`inputs` with len(values) slots replaced, in distinct tokens."""
     bad = dict(inputs)
     bad["topk_idx"] = inputs["topk_idx"].clone()
-    bad["topk_idx"][7, 2] = value
+    for token, value in zip(range(3, NUM_TOKENS, 5), values):
+        bad["topk_idx"][token, 2] = value
     return bad
 
 
@@ -48,9 +59,9 @@ def test_bad_expert_id_raises_at_the_next_call_then_clears(setup, value):
     buf, layer, inputs = setup
     good = _run(buf, layer, inputs).clone()
     mm.ops.synchronize()
-    _run(buf, layer, _with_expert_id(inputs, value))
+    _run(buf, layer, _with_expert_ids(inputs, [value]))
     torch.cuda.synchronize()  # plain torch: the error waits for the next megamoe call
-    with pytest.raises(ValueError, match=MESSAGE):
+    with pytest.raises(ValueError, match=message(1)):
         _run(buf, layer, inputs)
     # The error is reported once; the buffer and the kernel are fine afterwards.
     again = _run(buf, layer, inputs)
@@ -58,9 +69,46 @@ def test_bad_expert_id_raises_at_the_next_call_then_clears(setup, value):
     assert torch.equal(again, good)
 
 
-def test_bad_expert_id_raises_in_synchronize(setup):
+def test_every_bad_entry_is_counted(setup):
+    """Bad ids in several tokens (handled by different threads, maybe CTAs) add up exactly."""
     buf, layer, inputs = setup
-    _run(buf, layer, _with_expert_id(inputs, EXPERTS))
-    with pytest.raises(ValueError, match=MESSAGE):
+    _run(buf, layer, _with_expert_ids(inputs, [EXPERTS, -5, EXPERTS + 7]))
+    with pytest.raises(ValueError, match=message(3)):
         mm.ops.synchronize()
+    mm.ops.synchronize()
+
+
+def _watchdog_caught_up(timeout_s=3.0):
+    """Waits until the watchdog has logged every bad id counted so far (earlier tests')."""
+    deadline = time.monotonic() + timeout_s
+    while mm.ops._watchdog.bad_expert_ids_reported != mm.ops._runtime().read_bad_expert_ids():
+        assert time.monotonic() < deadline, "the watchdog stopped logging bad expert ids"
+        time.sleep(0.05)
+
+
+def test_bad_expert_id_in_a_graph_replay_is_logged_and_raised(setup, caplog):
+    buf, layer, inputs = setup
+    _watchdog_caught_up()
+    caplog.set_level(logging.ERROR, logger="megamoe_plugin")
+    y = torch.empty(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    fill_buffer(buf, inputs)
+    mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)  # loads and builds outside the capture
+    mm.ops.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
+    torch.cuda.current_stream().wait_stream(stream)
+    fill_buffer(buf, _with_expert_ids(inputs, [EXPERTS, EXPERTS]))
+    graph.replay()
+    torch.cuda.synchronize()  # plain torch, as a server would: no megamoe call
+    _watchdog_caught_up()
+    logged = [r for r in caplog.records if "topk_idx" in r.getMessage()]
+    assert [r.getMessage()[:29] for r in logged] == ["megamoe: 2 topk_idx entries o"]
+    assert logged[0].levelno == logging.ERROR and logged[0].name == "megamoe_plugin"
+    with pytest.raises(ValueError, match=message(2)):
+        _run(buf, layer, inputs)  # the next eager call
+    _run(buf, layer, inputs)
     mm.ops.synchronize()

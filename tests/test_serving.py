@@ -1,0 +1,174 @@
+"""What a long-running server relies on in the op layer, on the CPU with the host runtime
+replaced by a recording fake: bad expert ids are raised once per new count, and the
+watchdog logs a kernel failure and dropped ids without any synchronize."""
+import contextlib
+import logging
+import re
+import time
+import types
+
+import pytest
+import torch
+
+import megamoe_plugin as mm
+from megamoe_plugin import ops
+from megamoe_plugin.buffer import BufferShape, SymmBuffer, get_symm_buffer_size
+from megamoe_plugin.paths import CSRC_DIR
+from megamoe_plugin.testing import random_layer
+from megamoe_plugin.watchdog import Watchdog
+
+E, N, K, H, I = 8, 256, 2, 256, 256
+
+
+class FakeRuntime:
+    """Records what the op layer asks the host runtime for; the host words are plain fields."""
+
+    def __init__(self, events):
+        self.events = events
+        self.kernels = []
+        self.params = {}
+        self.freed = []
+        self.launches = []
+        self.error_word = 0
+        self.bad_expert_ids = 0
+
+    def load_kernel(self, cubin_path, name, smem_bytes):
+        self.events.append(("load", cubin_path))
+        self.kernels.append(cubin_path)
+        return len(self.kernels) - 1
+
+    def make_params(self, peer_ptrs, rank, offsets, pool_capacity, hidden, intermediate_size, num_local_experts,
+                    block_m, w13, w13_scale, w2, w2_scale, timeout_s):
+        handle = len(self.params) + len(self.freed)
+        self.events.append(("params", handle))
+        self.params[handle] = dict(peer_ptrs=tuple(peer_ptrs), rank=rank, block_m=block_m, w13=w13)
+        return handle
+
+    def free_params(self, handle):
+        del self.params[handle]
+        self.freed.append(handle)
+
+    def launch(self, kernel, params, *args):
+        self.launches.append((kernel, params))
+
+    def read_error_word(self):
+        return self.error_word
+
+    def read_bad_expert_ids(self):
+        return self.bad_expert_ids
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """The op layer on the CPU: a fake runtime and compiler, an H200's name and grid, fresh
+    caches, and a switch for 'the current stream is capturing'."""
+    events = []
+    runtime = FakeRuntime(events)
+    capturing = types.SimpleNamespace(on=False)
+
+    def compiled(variant):
+        return types.SimpleNamespace(variant=variant, cubin=f"/cache/{variant.name()}.cubin", smem_bytes=1)
+
+    monkeypatch.setattr(ops, "_runtime", lambda: runtime)
+    monkeypatch.setattr(ops, "_require_sm90", lambda device: None)
+    monkeypatch.setattr(ops, "_device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(ops, "_grid_size", lambda buf: 132)
+    monkeypatch.setattr(ops, "compile_variant", lambda variant, verbose=False: compiled(variant))
+    monkeypatch.setattr(ops, "compile_variants", lambda variants, on_done=None: [compiled(v) for v in variants])
+    monkeypatch.setattr(ops, "_kernels", {})
+    monkeypatch.setattr(ops, "_params", {})
+    monkeypatch.setattr(ops, "_variants", {})
+    monkeypatch.setattr(ops, "_bad_expert_ids_raised", 0)
+    watchdog = Watchdog(runtime.read_error_word, runtime.read_bad_expert_ids, ops.describe_error,
+                        ops.describe_bad_expert_ids, interval_s=0.02)
+    monkeypatch.setattr(ops, "_watchdog", watchdog)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing.on)
+    monkeypatch.delenv("MEGAMOE_BLOCK_M", raising=False)
+    yield types.SimpleNamespace(runtime=runtime, events=events, capturing=capturing, watchdog=watchdog)
+    watchdog.stop()
+
+
+def _layer(seed):
+    return random_layer(E, H, I, "cpu", torch.Generator().manual_seed(seed))
+
+
+def _buffer(num_ranks=1, group=None):
+    """This rank's (0) buffer; for num_ranks > 1 the peers' addresses are stand-ins."""
+    shape = BufferShape(num_ranks, E * num_ranks, N, K, H, I)
+    storage = torch.zeros(get_symm_buffer_size(num_ranks, E * num_ranks, N, K, H, I), dtype=torch.uint8)
+    peers = (storage.data_ptr(),) + tuple(0x7000_0000 + r for r in range(1, num_ranks))
+    return SymmBuffer(shape, storage, 0, peers, group=group)
+
+
+def _call(buf, layer, n):
+    return mm.fp8_mega_moe(torch.zeros(n, H, dtype=torch.bfloat16), layer.l1, layer.l2, buf)
+
+
+def test_bad_expert_ids_raise_once_per_new_count_and_wait_out_a_capture(fake):
+    buf, layer = _buffer(), _layer(0)
+    ops.warmup(buf, layer.l1, layer.l2, [4])
+    fake.runtime.bad_expert_ids = 3
+    with pytest.raises(ValueError, match=r"3 topk_idx entries outside \[-1, num_experts\)"):
+        _call(buf, layer, 4)
+    _call(buf, layer, 4)  # reported: the counter is not cleared, the raise remembers
+    fake.runtime.bad_expert_ids = 4
+    fake.capturing.on = True
+    _call(buf, layer, 4)  # a graph replay's error waits for the next eager call
+    fake.capturing.on = False
+    with pytest.raises(ValueError, match=r"1 topk_idx entry outside"):
+        _call(buf, layer, 4)
+    _call(buf, layer, 4)
+
+
+def test_describe_error_names_the_wait_the_rank_and_the_variant(fake):
+    buf, layer = _buffer(num_ranks=2), _layer(0)
+    ops.warmup(buf, layer.l1, layer.l2, [1, 64])
+    variant = ops.select_variant(buf, 64, True)
+    tag = ops._kernels[(None, variant)]
+    message = ops.describe_error(2 | 1 << 8 | tag << 16)
+    assert message.startswith("megamoe kernel timed out waiting on the cross-rank barrier")
+    assert f"rank 1, kernel {variant.name()}" in message and "restart the process" in message
+
+
+def test_error_word_packing_and_codes_match_params_h():
+    header = (CSRC_DIR / "megamoe" / "params.h").read_text()
+    assert int(re.search(r"kErrorRankShift = (\d+);", header).group(1)) == ops._ERROR_RANK_SHIFT
+    assert int(re.search(r"kErrorTagShift = (\d+);", header).group(1)) == ops._ERROR_TAG_SHIFT
+    body = re.search(r"enum ErrorCode : uint32_t \{(.*?)\};", header, re.S).group(1)
+    codes = {int(v) for v in re.findall(r"kErr\w+ = (\d+)", body)} - {0}
+    assert codes == set(ops._ERROR_NAMES)
+
+
+def _wait_for(records, predicate, timeout_s=2.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(predicate(r) for r in records):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_watchdog_starts_with_the_first_kernel_and_logs_a_failure_once(fake, caplog):
+    caplog.set_level(logging.ERROR, logger="megamoe_plugin")
+    buf, layer = _buffer(num_ranks=2), _layer(0)
+    ops.warmup(buf, layer.l1, layer.l2, [8])
+    tag = ops._kernels[(None, ops.select_variant(buf, 8, True))]
+    fake.runtime.error_word = 2 | 0 << 8 | tag << 16  # as a trapped kernel leaves it; nobody synchronizes
+    assert _wait_for(caplog.records, lambda r: "cross-rank barrier" in r.getMessage())
+    time.sleep(0.1)
+    failures = [r for r in caplog.records if "timed out" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].levelno == logging.ERROR and failures[0].name == "megamoe_plugin"
+    assert "rank 0, kernel h256" in failures[0].getMessage()
+
+
+def test_watchdog_logs_each_new_count_of_bad_expert_ids(fake, caplog):
+    caplog.set_level(logging.ERROR, logger="megamoe_plugin")
+    fake.watchdog.poll()
+    fake.runtime.bad_expert_ids = 5
+    fake.watchdog.poll()
+    fake.watchdog.poll()
+    fake.runtime.bad_expert_ids = 7
+    fake.watchdog.poll()
+    assert [r.getMessage().split(" topk_idx")[0] for r in caplog.records] == ["megamoe: 5", "megamoe: 2"]
