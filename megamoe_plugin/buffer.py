@@ -27,7 +27,8 @@ POOL_ALIGN_M rows.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Tuple
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -169,14 +170,27 @@ class SymmBuffer:
 
     `x`, `x_sf`, `topk_idx`, `topk_weights` are views the caller fills for the first n
     tokens before `fp8_mega_moe` (or lets `stage_inputs` fill them).
+
+    Usually made by `get_symm_buffer`; constructed directly, `storage` is this rank's
+    zeroed uint8 buffer of `get_symm_buffer_size(...)` bytes and `peer_ptrs[r]` the address
+    at which this process sees rank r's (its own at `rank`), e.g. mapped through CUDA IPC.
+    `group` is the process group the ranks belong to (warmup ends with a barrier over it).
     """
 
     def __init__(self, shape: BufferShape, storage: torch.Tensor, rank: int, peer_ptrs: Tuple[int, ...],
                  group=None, symm_handle=None, num_sms: Optional[int] = None):
+        layout = BufferLayout(shape)
+        if storage.dtype != torch.uint8 or storage.dim() != 1 or storage.numel() < layout.total_bytes:
+            raise ValueError(f"storage must be a 1-D uint8 tensor of at least {layout.total_bytes} bytes, got "
+                             f"{storage.dtype} {list(storage.shape)}")
+        if not 0 <= rank < shape.num_ranks:
+            raise ValueError(f"rank={rank} is outside [0, num_ranks={shape.num_ranks})")
+        if len(peer_ptrs) != shape.num_ranks:
+            raise ValueError(f"peer_ptrs must hold num_ranks={shape.num_ranks} addresses, got {len(peer_ptrs)}")
         self.shape = shape
         # CTAs of this rank's persistent grid; None: every SM (or MEGAMOE_NUM_SMS).
         self.num_sms = num_sms
-        self.layout = BufferLayout(shape)
+        self.layout = layout
         self.storage = storage
         self.rank = rank
         self.peer_ptrs = tuple(int(p) for p in peer_ptrs)
@@ -184,6 +198,28 @@ class SymmBuffer:
         self._symm_handle = symm_handle  # keeps the symmetric allocation's handle alive
         for name in ("x", "x_sf", "topk_idx", "topk_weights"):
             setattr(self, name, self.view(name))
+        self.closed = False
+        # What others built for this buffer (ops: kernel params and their device memory) is
+        # released through these, at close() or when the buffer is collected. Not at exit:
+        # the process frees everything then, and the CUDA context may already be gone.
+        self._releasers: List[Callable[[], None]] = []
+        self._finalizer = weakref.finalize(self, _run_releasers, self._releasers)
+        self._finalizer.atexit = False
+
+    def on_close(self, release: Callable[[], None]) -> None:
+        """Runs `release()` when the buffer is closed or garbage-collected. It must not refer
+        to the buffer (that would keep it alive)."""
+        self._releasers.append(release)
+
+    def close(self) -> None:
+        """Frees what was built for this buffer and drops its memory. No kernel that uses
+        the buffer may still be running, and no CUDA graph that captured a call on it be
+        replayed afterwards. Calls on a closed buffer raise; closing again does nothing."""
+        self._finalizer()
+        self.closed = True
+        self.storage = self._symm_handle = None
+        for name in ("x", "x_sf", "topk_idx", "topk_weights"):
+            setattr(self, name, None)
 
     def view(self, name: str) -> torch.Tensor:
         region = self.layout.regions[name]
@@ -208,6 +244,11 @@ class SymmBuffer:
         return (f"SymmBuffer(rank={self.rank}/{s.num_ranks}, experts={s.num_experts}, "
                 f"max_tokens={s.num_max_tokens_per_rank}, topk={s.num_topk}, hidden={s.hidden}, "
                 f"intermediate={s.intermediate_size}, bytes={self.layout.total_bytes}, device={self.device})")
+
+
+def _run_releasers(releasers: List[Callable[[], None]]) -> None:
+    while releasers:
+        releasers.pop()()
 
 
 def get_local_rank_buffers(num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_topk: int,

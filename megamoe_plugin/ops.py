@@ -1,9 +1,11 @@
 """Op layer: validates a call, picks the kernel variant, launches it.
 
 Everything that does not change between calls (the compiled kernel, TMA descriptors
-over the buffer and the weights, the launch configuration) is built on the first call
-for a (buffer, weights, variant) and cached, so a call is argument checks plus one
-launch on the current stream: no host sync, no allocation, capturable in a CUDA graph.
+over the buffer and the weights, the launch configuration) is built by `warmup` (or the
+first eager call) for a (buffer, weights, variant) and cached, so a call is argument
+checks plus one launch on the current stream: no host sync, no allocation, capturable in
+a CUDA graph. A call inside graph capture that would still have to build something
+raises instead (compiling or allocating there would break the capture or stall it).
 
 What kernels report without anyone waiting for them (a timed-out wait, dropped routing
 entries) reaches the log through `watchdog`, started with the first kernel load.
@@ -11,6 +13,7 @@ entries) reaches the log through `watchdog`, started with the first kernel load.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import math
 import os
@@ -179,6 +182,8 @@ def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_
     """Every check of a call, before anything is launched (DESIGN.md section 3)."""
     if not isinstance(buf, SymmBuffer):
         raise TypeError(f"buf must be a SymmBuffer from get_symm_buffer, got {type(buf).__name__}")
+    if buf.closed:
+        raise ValueError("buf was closed (SymmBuffer.close); allocate a new one")
     s, dev = buf.shape, buf.device
     el, h, i = s.num_local_experts, s.hidden, s.intermediate_size
     if not isinstance(y, torch.Tensor):
@@ -302,15 +307,28 @@ def _grid_size(buf: SymmBuffer) -> int:
     return _device_sms[idx]
 
 
-# (device index, variant) -> kernel handle; (buffer id, weight pointers, block_m) -> params handle.
+# (device index, variant) -> kernel handle (loaded modules live as long as the process).
 _kernels: Dict[Tuple[int, KernelVariant], int] = {}
-_params: Dict[Tuple, int] = {}
+# id(buffer) -> {(rank, peer pointers, shape, weight pointers, block_m): params handle}. A
+# buffer's entries are freed, device memory included, when it is closed or collected
+# (SymmBuffer.on_close), so a later buffer that gets the same id never finds them.
+_params: Dict[int, Dict[Tuple, int]] = {}
+
+
+def _refuse_in_capture(what: str) -> None:
+    """Raises if the current stream is capturing a CUDA graph: `what` (a compile, a module load,
+    a device allocation) cannot be captured, and would stall or break the capture."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"megamoe: fp8_mega_moe would {what} inside CUDA-graph capture; call "
+                           "megamoe_plugin.ops.warmup(buf, l1, l2, token_counts) with every layer's weights and "
+                           "every batch size the graphs use before capturing")
 
 
 def _kernel_handle(device: torch.device, variant: KernelVariant) -> int:
     key = (device.index, variant)
     handle = _kernels.get(key)
     if handle is None:
+        _refuse_in_capture(f"compile and load kernel {variant.name()}")
         compiled = compile_variant(variant, verbose=True)
         with torch.cuda.device(device):
             handle = _runtime().load_kernel(str(compiled.cubin), KERNEL_NAME, compiled.smem_bytes)
@@ -320,19 +338,28 @@ def _kernel_handle(device: torch.device, variant: KernelVariant) -> int:
 
 
 def _params_handle(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, block_m: int) -> int:
-    # The shape is part of the key: a freed buffer's id and address can come back with another layout.
-    key = (id(buf), buf.storage.data_ptr(), buf.shape, l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(),
+    key = (buf.rank, buf.peer_ptrs, buf.shape, l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(),
            l2[1].data_ptr(), block_m)
-    handle = _params.get(key)
+    per_buffer = _params.get(id(buf))
+    handle = None if per_buffer is None else per_buffer.get(key)
     if handle is None:
+        _refuse_in_capture("build kernel parameters (TMA descriptors in device memory) for these weights")
+        if per_buffer is None:
+            per_buffer = _params[id(buf)] = {}
+            buf.on_close(functools.partial(_free_params, id(buf)))
         s = buf.shape
         with torch.cuda.device(buf.device):
             handle = _runtime().make_params(
                 list(buf.peer_ptrs), buf.rank, buf.layout.offsets(), s.pool_capacity, s.hidden, s.intermediate_size,
                 s.num_local_experts, block_m, l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(),
                 l2[1].data_ptr(), _timeout_s())
-        _params[key] = handle
+        per_buffer[key] = handle
     return handle
+
+
+def _free_params(buffer_id: int) -> None:
+    for handle in _params.pop(buffer_id, {}).values():
+        _runtime().free_params(handle)
 
 
 def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Iterable[int],

@@ -1,7 +1,10 @@
 """What a long-running server relies on in the op layer, on the CPU with the host runtime
-replaced by a recording fake: bad expert ids are raised once per new count, and the
-watchdog logs a kernel failure and dropped ids without any synchronize."""
+replaced by a recording fake: capture never compiles or builds params (it raises
+instead), the params cache follows the peer pointers and frees itself with the buffer,
+bad expert ids are raised once per new count, and the watchdog logs a kernel failure
+and dropped ids without any synchronize."""
 import contextlib
+import gc
 import logging
 import re
 import time
@@ -18,6 +21,8 @@ from megamoe_plugin.testing import random_layer
 from megamoe_plugin.watchdog import Watchdog
 
 E, N, K, H, I = 8, 256, 2, 256, 256
+# Token counts that select more than one BLOCK_M tier on an H200 (the heuristic's table).
+COUNTS = [1, 8, 64, 256]
 
 
 class FakeRuntime:
@@ -106,6 +111,73 @@ def _call(buf, layer, n):
     return mm.fp8_mega_moe(torch.zeros(n, H, dtype=torch.bfloat16), layer.l1, layer.l2, buf)
 
 
+def test_counts_select_several_tiers(fake):
+    tiers = {ops.select_variant(_buffer(), n, True).block_m for n in COUNTS}
+    assert len(tiers) > 1, "COUNTS must exercise params of more than one BLOCK_M tier"
+
+
+def test_warmup_builds_params_of_every_tier_so_capture_builds_nothing(fake):
+    buf, layers = _buffer(), [_layer(s) for s in range(3)]
+    for layer in layers:
+        ops.warmup(buf, layer.l1, layer.l2, COUNTS)
+    tiers = {ops.select_variant(buf, n, True).block_m for n in COUNTS}
+    built = {(p["w13"], p["block_m"]) for p in fake.runtime.params.values()}
+    assert built == {(la.l1[0].data_ptr(), bm) for la in layers for bm in tiers}
+    loaded, params = len(fake.runtime.kernels), len(fake.runtime.params)
+    fake.capturing.on = True
+    for layer in layers:
+        for n in COUNTS:
+            _call(buf, layer, n)
+    assert (len(fake.runtime.kernels), len(fake.runtime.params)) == (loaded, params)
+    assert len(fake.runtime.launches) == len(layers) * len(COUNTS)
+
+
+def test_capture_that_would_compile_or_build_params_raises(fake):
+    buf, layer, other = _buffer(), _layer(0), _layer(1)
+    fake.capturing.on = True
+    with pytest.raises(RuntimeError, match=r"would compile and load kernel h256.*inside CUDA-graph capture.*warmup"):
+        _call(buf, layer, 8)
+    assert not fake.runtime.kernels
+    fake.capturing.on = False
+    ops.warmup(buf, layer.l1, layer.l2, [8])
+    fake.capturing.on = True
+    _call(buf, layer, 8)
+    with pytest.raises(RuntimeError, match=r"would build kernel parameters.*inside CUDA-graph capture.*warmup"):
+        _call(buf, other, 8)
+    assert len(fake.runtime.params) == 1
+
+
+def test_params_key_covers_the_peer_pointers(fake):
+    buf, layer = _buffer(num_ranks=2), _layer(0)
+    first = ops._params_handle(buf, layer.l1, layer.l2, 64)
+    assert ops._params_handle(buf, layer.l1, layer.l2, 64) == first
+    buf.peer_ptrs = (buf.peer_ptrs[0], buf.peer_ptrs[1] + 4096)  # a peer's buffer moved
+    second = ops._params_handle(buf, layer.l1, layer.l2, 64)
+    assert second != first and fake.runtime.params[second]["peer_ptrs"] == buf.peer_ptrs
+
+
+def test_close_frees_the_params_and_refuses_calls(fake):
+    buf, layer = _buffer(), _layer(0)
+    ops.warmup(buf, layer.l1, layer.l2, COUNTS)
+    handles = set(fake.runtime.params)
+    assert handles and id(buf) in ops._params
+    buf.close()
+    assert set(fake.runtime.freed) == handles and not fake.runtime.params and id(buf) not in ops._params
+    buf.close()  # again: nothing left to free
+    assert len(fake.runtime.freed) == len(handles)
+    with pytest.raises(ValueError, match="buf was closed"):
+        _call(buf, layer, 1)
+
+
+def test_a_collected_buffer_frees_its_params(fake):
+    buf, layer = _buffer(), _layer(0)
+    ops.warmup(buf, layer.l1, layer.l2, [1])
+    buffer_id = id(buf)
+    del buf
+    gc.collect()
+    assert len(fake.runtime.freed) == 1 and not fake.runtime.params and buffer_id not in ops._params
+
+
 def test_bad_expert_ids_raise_once_per_new_count_and_wait_out_a_capture(fake):
     buf, layer = _buffer(), _layer(0)
     ops.warmup(buf, layer.l1, layer.l2, [4])
@@ -172,3 +244,14 @@ def test_watchdog_logs_each_new_count_of_bad_expert_ids(fake, caplog):
     fake.runtime.bad_expert_ids = 7
     fake.watchdog.poll()
     assert [r.getMessage().split(" topk_idx")[0] for r in caplog.records] == ["megamoe: 5", "megamoe: 2"]
+
+
+def test_symm_buffer_constructor_names_bad_arguments():
+    shape = BufferShape(2, 2 * E, N, K, H, I)
+    storage = torch.zeros(get_symm_buffer_size(2, 2 * E, N, K, H, I), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="storage must be a 1-D uint8 tensor of at least"):
+        SymmBuffer(shape, storage[:-1], 0, (storage.data_ptr(), 1))
+    with pytest.raises(ValueError, match=r"rank=2 is outside \[0, num_ranks=2\)"):
+        SymmBuffer(shape, storage, 2, (storage.data_ptr(), 1))
+    with pytest.raises(ValueError, match="peer_ptrs must hold num_ranks=2 addresses, got 1"):
+        SymmBuffer(shape, storage, 0, (storage.data_ptr(),))

@@ -37,7 +37,10 @@ struct Driver {
   decltype(&::cuMemHostGetDevicePointer) MemHostGetDevicePointer;
   decltype(&::cuCtxGetCurrent) CtxGetCurrent;
   decltype(&::cuMemAlloc) MemAlloc;
+  decltype(&::cuMemFree) MemFree;
   decltype(&::cuMemcpyHtoD) MemcpyHtoD;
+  decltype(&::cuCtxPushCurrent) CtxPushCurrent;
+  decltype(&::cuCtxPopCurrent) CtxPopCurrent;
 };
 
 Driver& driver() {
@@ -61,7 +64,10 @@ Driver& driver() {
         reinterpret_cast<decltype(r.MemHostGetDevicePointer)>(sym("cuMemHostGetDevicePointer_v2"));
     r.CtxGetCurrent = reinterpret_cast<decltype(r.CtxGetCurrent)>(sym("cuCtxGetCurrent"));
     r.MemAlloc = reinterpret_cast<decltype(r.MemAlloc)>(sym("cuMemAlloc_v2"));
+    r.MemFree = reinterpret_cast<decltype(r.MemFree)>(sym("cuMemFree_v2"));
     r.MemcpyHtoD = reinterpret_cast<decltype(r.MemcpyHtoD)>(sym("cuMemcpyHtoD_v2"));
+    r.CtxPushCurrent = reinterpret_cast<decltype(r.CtxPushCurrent)>(sym("cuCtxPushCurrent_v2"));
+    r.CtxPopCurrent = reinterpret_cast<decltype(r.CtxPopCurrent)>(sym("cuCtxPopCurrent_v2"));
     return r;
   }();
   return d;
@@ -98,24 +104,36 @@ HostWordsMapping& host_words() {
   return w;
 }
 
+CUcontext current_context() {
+  CUcontext ctx = nullptr;
+  check(driver().CtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (ctx == nullptr) throw std::runtime_error("megamoe: no current CUDA context (initialize torch.cuda first)");
+  return ctx;
+}
+
 // ---------------------------------------------------------------- kernels
 struct Kernel {
   CUfunction function;
   int smem_bytes;
 };
 
+// What make_params built: the per-call template, and the device memory it owns.
+struct Params {
+  megamoe::KernelParams kernel;
+  CUcontext context;   // the one the descriptors were allocated in, to free them there
+  CUdeviceptr tmaps;
+};
+
 std::mutex g_mutex;
 std::map<std::string, CUmodule> g_modules;        // cubin path -> module (per current context)
 std::vector<std::unique_ptr<Kernel>> g_kernels;   // handles given to Python; a handle is also the kernel's tag
-std::vector<std::unique_ptr<megamoe::KernelParams>> g_params;
+std::vector<std::unique_ptr<Params>> g_params;    // handles given to Python; null once freed (never reused)
 
 int load_kernel(const std::string& cubin_path, const std::string& name, int smem_bytes) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (g_kernels.size() > megamoe::kMaxKernelTag)
     throw std::runtime_error("megamoe: more kernel handles than a failure report can name");
-  CUcontext ctx = nullptr;
-  check(driver().CtxGetCurrent(&ctx), "cuCtxGetCurrent");
-  if (ctx == nullptr) throw std::runtime_error("megamoe: no current CUDA context (initialize torch.cuda first)");
+  const CUcontext ctx = current_context();
   const std::string key = cubin_path + "@" + std::to_string(reinterpret_cast<uintptr_t>(ctx));
   auto it = g_modules.find(key);
   if (it == g_modules.end()) {
@@ -156,8 +174,9 @@ int make_params(const std::vector<uint64_t>& peer_ptrs, int rank, const std::map
   if (peer_ptrs.empty() || peer_ptrs.size() > megamoe::kMaxRanks)
     throw std::invalid_argument("megamoe: peer_ptrs must hold 1..8 buffer addresses");
   if (rank < 0 || rank >= static_cast<int>(peer_ptrs.size())) throw std::invalid_argument("megamoe: bad rank");
-  auto p = std::make_unique<megamoe::KernelParams>();
-  std::memset(p.get(), 0, sizeof(*p));
+  auto entry = std::make_unique<Params>();
+  std::memset(&entry->kernel, 0, sizeof(entry->kernel));
+  megamoe::KernelParams* p = &entry->kernel;
   auto off = [&](const char* name) {
     auto it = offsets.find(name);
     if (it == offsets.end()) throw std::invalid_argument(std::string("megamoe: buffer offset missing: ") + name);
@@ -179,11 +198,13 @@ int make_params(const std::vector<uint64_t>& peer_ptrs, int rank, const std::map
   maps[megamoe::kTmapAct] = make_tmap_2d(base + p->off.act, FP8, 1, P, I, 128, block_m, true, "TMA act");
   maps[megamoe::kTmapW2] = make_tmap_2d(w2, FP8, 1, EL * H, I, 128, 256, true, "TMA w2");
   // Device memory, written once here before any launch that reads it (never modified
-  // on the device, so no tensormap proxy fence is needed). Lives as long as the process.
-  CUdeviceptr dev_maps = 0;
-  check(driver().MemAlloc(&dev_maps, sizeof(maps)), "cuMemAlloc(TMA descriptors)");
-  check(driver().MemcpyHtoD(dev_maps, maps, sizeof(maps)), "cuMemcpyHtoD(TMA descriptors)");
-  p->tmaps = reinterpret_cast<const CUtensorMap*>(dev_maps);
+  // on the device, so no tensormap proxy fence is needed). Lives until free_params.
+  entry->context = current_context();
+  check(driver().MemAlloc(&entry->tmaps, sizeof(maps)), "cuMemAlloc(TMA descriptors)");
+  const CUresult copied = driver().MemcpyHtoD(entry->tmaps, maps, sizeof(maps));
+  if (copied != CUDA_SUCCESS) driver().MemFree(entry->tmaps);
+  check(copied, "cuMemcpyHtoD(TMA descriptors)");
+  p->tmaps = reinterpret_cast<const CUtensorMap*>(entry->tmaps);
   p->w13_scale = reinterpret_cast<const float*>(w13_scale);
   p->w2_scale = reinterpret_cast<const float*>(w2_scale);
   p->rank = rank;
@@ -192,20 +213,35 @@ int make_params(const std::vector<uint64_t>& peer_ptrs, int rank, const std::map
   p->timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
   p->activation_clamp = __builtin_inff();
   std::lock_guard<std::mutex> lock(g_mutex);
-  g_params.push_back(std::move(p));
+  g_params.push_back(std::move(entry));
   return static_cast<int>(g_params.size()) - 1;
+}
+
+// Frees what make_params built for `params` (its descriptors' device memory). No launch
+// that uses it may still be running or be replayed later from a CUDA graph.
+void free_params(int params) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (params < 0 || params >= static_cast<int>(g_params.size()) || g_params[params] == nullptr)
+    throw std::invalid_argument("megamoe: free_params: bad or already freed params handle");
+  std::unique_ptr<Params> entry = std::move(g_params[params]);
+  check(driver().CtxPushCurrent(entry->context), "cuCtxPushCurrent");
+  const CUresult freed = driver().MemFree(entry->tmaps);
+  CUcontext popped = nullptr;
+  driver().CtxPopCurrent(&popped);
+  check(freed, "cuMemFree(TMA descriptors)");
 }
 
 // One launch on `stream`. No allocation, no synchronization: safe to capture in a CUDA graph.
 void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_stats, double activation_clamp,
             int num_ctas, int num_threads, uint64_t stream, int stop_after_phase) {
   if (kernel < 0 || kernel >= static_cast<int>(g_kernels.size())) throw std::invalid_argument("megamoe: bad kernel handle");
-  if (params < 0 || params >= static_cast<int>(g_params.size())) throw std::invalid_argument("megamoe: bad params handle");
+  if (params < 0 || params >= static_cast<int>(g_params.size()) || g_params[params] == nullptr)
+    throw std::invalid_argument("megamoe: bad or freed params handle");
   const uint32_t err = host_words().host->error;
   if (err != megamoe::kErrNone)
     throw std::runtime_error("megamoe: an earlier kernel failed (error word " + std::to_string(err) +
                              "); the CUDA context is unusable");
-  megamoe::KernelParams p = *g_params[params];
+  megamoe::KernelParams p = g_params[params]->kernel;
   p.y = reinterpret_cast<void*>(y);
   p.num_tokens = num_tokens;
   p.recv_stats = reinterpret_cast<int*>(recv_stats);
@@ -237,6 +273,7 @@ PYBIND11_MODULE(_runtime, m) {
   m.def("launch", &launch, py::arg("kernel"), py::arg("params"), py::arg("y"), py::arg("num_tokens"),
         py::arg("recv_stats"), py::arg("activation_clamp"), py::arg("num_ctas"), py::arg("num_threads"),
         py::arg("stream"), py::arg("stop_after_phase") = 0);
+  m.def("free_params", &free_params, py::arg("params"));
   m.def("read_error_word", &read_error_word);
   m.def("read_bad_expert_ids", &read_bad_expert_ids);
   m.attr("kParamsBytes") = sizeof(megamoe::KernelParams);
