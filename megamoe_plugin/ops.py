@@ -42,10 +42,26 @@ _ERROR_NAMES = {
 _ERROR_RANK_SHIFT = 8
 _ERROR_TAG_SHIFT = 16
 
+# The default bound of every in-kernel wait. The longest legitimate wait is a peer that is
+# still finishing its previous call (the longest call, 8192 tokens per rank, takes ~13 ms)
+# or whose host launched late. warmup's group barrier takes compile and load skew out of
+# that, so what is left is host jitter (a GC pause, a busy CPU, another library's one-time
+# work on one rank); the bound only has to cover that, with a wide margin, and is short
+# enough that a real hang names itself in the log soon (README.md, docs/vllm.md).
+DEFAULT_TIMEOUT_S = 30.0
 
 
 def _timeout_s() -> float:
-    return float(os.environ.get("MEGAMOE_TIMEOUT_S", "30"))
+    value = os.environ.get("MEGAMOE_TIMEOUT_S")
+    if not value:
+        return DEFAULT_TIMEOUT_S
+    try:
+        timeout = float(value)
+    except ValueError:
+        timeout = math.nan
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"MEGAMOE_TIMEOUT_S must be a positive number of seconds, got {value!r}")
+    return timeout
 
 
 def _runtime_missing_message() -> str:
@@ -320,8 +336,8 @@ def _refuse_in_capture(what: str) -> None:
     a device allocation) cannot be captured, and would stall or break the capture."""
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"megamoe: fp8_mega_moe would {what} inside CUDA-graph capture; call "
-                           "megamoe_plugin.ops.warmup(buf, l1, l2, token_counts) with every layer's weights and "
-                           "every batch size the graphs use before capturing")
+                           "megamoe_plugin.ops.warmup(buf, l1, l2, token_counts, other_layers=...) with every "
+                           "layer's weights and every batch size the graphs use before capturing")
 
 
 def _kernel_handle(device: torch.device, variant: KernelVariant) -> int:
@@ -363,9 +379,16 @@ def _free_params(buffer_id: int) -> None:
 
 
 def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Iterable[int],
-           fast_math: bool = True, numerics: Optional[str] = None) -> int:
+           fast_math: bool = True, numerics: Optional[str] = None,
+           other_layers: Iterable[Tuple[WeightPair, WeightPair]] = ()) -> int:
     """Compiles (several at once) and loads every kernel variant the given token counts
-    select (call it before CUDA-graph capture). Returns how many distinct variants that is."""
+    select, and builds their params for the weights (l1, l2) and every (l1, l2) pair of
+    `other_layers` (the further layers that share this buffer). Call it before CUDA-graph
+    capture: a capture that would compile, load or build params raises.
+
+    On every rank of the buffer's group, before the first call: it ends with a barrier over
+    the group, so a rank that had to compile (a cold cache) holds the others here, not
+    inside a kernel whose wait would time out. Returns how many distinct variants it loaded."""
     _require_sm90(buf.device)
     numerics = resolve_numerics(numerics)
     variants = []
@@ -382,8 +405,21 @@ def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Ite
     progress.close()
     for v in variants:  # cached cubins now: loading them is quick
         _kernel_handle(buf.device, v)
-        _params_handle(buf, tuple(l1), tuple(l2), v.block_m)
+    for layer_l1, layer_l2 in [(l1, l2), *other_layers]:
+        for block_m in dict.fromkeys(v.block_m for v in variants):
+            _params_handle(buf, tuple(layer_l1), tuple(layer_l2), block_m)
+    if buf.group is not None:
+        _group_barrier(buf)
     return len(variants)
+
+
+def _group_barrier(buf: SymmBuffer) -> None:
+    import torch.distributed as dist
+
+    if dist.get_backend(buf.group) == "nccl":  # it needs the device, and blocks the host until all arrive
+        dist.barrier(group=buf.group, device_ids=[buf.device.index])
+    else:
+        dist.barrier(group=buf.group)
 
 
 def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer,

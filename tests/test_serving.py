@@ -1,8 +1,9 @@
 """What a long-running server relies on in the op layer, on the CPU with the host runtime
-replaced by a recording fake: capture never compiles or builds params (it raises
-instead), the params cache follows the peer pointers and frees itself with the buffer,
-bad expert ids are raised once per new count, and the watchdog logs a kernel failure
-and dropped ids without any synchronize."""
+replaced by a recording fake: warm-up builds every layer's params and ends with a group
+barrier, capture never compiles or builds params (it raises instead), the params cache
+follows the peer pointers and frees itself with the buffer, bad expert ids are raised
+once per new count, and the watchdog logs a kernel failure and dropped ids without any
+synchronize."""
 import contextlib
 import gc
 import logging
@@ -116,10 +117,9 @@ def test_counts_select_several_tiers(fake):
     assert len(tiers) > 1, "COUNTS must exercise params of more than one BLOCK_M tier"
 
 
-def test_warmup_builds_params_of_every_tier_so_capture_builds_nothing(fake):
+def test_warmup_builds_every_layers_params_so_capture_builds_nothing(fake):
     buf, layers = _buffer(), [_layer(s) for s in range(3)]
-    for layer in layers:
-        ops.warmup(buf, layer.l1, layer.l2, COUNTS)
+    ops.warmup(buf, layers[0].l1, layers[0].l2, COUNTS, other_layers=[(la.l1, la.l2) for la in layers[1:]])
     tiers = {ops.select_variant(buf, n, True).block_m for n in COUNTS}
     built = {(p["w13"], p["block_m"]) for p in fake.runtime.params.values()}
     assert built == {(la.l1[0].data_ptr(), bm) for la in layers for bm in tiers}
@@ -142,7 +142,7 @@ def test_capture_that_would_compile_or_build_params_raises(fake):
     ops.warmup(buf, layer.l1, layer.l2, [8])
     fake.capturing.on = True
     _call(buf, layer, 8)
-    with pytest.raises(RuntimeError, match=r"would build kernel parameters.*inside CUDA-graph capture.*warmup"):
+    with pytest.raises(RuntimeError, match=r"would build kernel parameters.*inside CUDA-graph capture.*other_layers"):
         _call(buf, other, 8)
     assert len(fake.runtime.params) == 1
 
@@ -176,6 +176,34 @@ def test_a_collected_buffer_frees_its_params(fake):
     del buf
     gc.collect()
     assert len(fake.runtime.freed) == 1 and not fake.runtime.params and buffer_id not in ops._params
+
+
+@pytest.mark.parametrize("backend, device_ids", [("gloo", None), ("nccl", [None])])
+def test_warmup_ends_with_a_group_barrier(fake, monkeypatch, backend, device_ids):
+    import torch.distributed as dist
+
+    group = object()
+    barriers = []
+    monkeypatch.setattr(dist, "get_backend", lambda g: backend)
+
+    def barrier(group=None, device_ids=None):
+        fake.events.append(("barrier", group))
+        barriers.append(device_ids)
+
+    monkeypatch.setattr(dist, "barrier", barrier)
+    buf, layer, other = _buffer(num_ranks=2, group=group), _layer(0), _layer(1)
+    ops.warmup(buf, layer.l1, layer.l2, COUNTS, other_layers=[(other.l1, other.l2)])
+    assert fake.events[-1] == ("barrier", group)  # after every load and params build
+    assert [e for e, _ in fake.events].count("barrier") == 1
+    assert barriers == [device_ids]  # the CPU buffer has no device index
+
+
+def test_warmup_without_a_group_has_no_barrier(fake, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: pytest.fail("a one-rank buffer needs no barrier"))
+    layer = _layer(0)
+    ops.warmup(_buffer(), layer.l1, layer.l2, COUNTS)
 
 
 def test_bad_expert_ids_raise_once_per_new_count_and_wait_out_a_capture(fake):
@@ -244,6 +272,20 @@ def test_watchdog_logs_each_new_count_of_bad_expert_ids(fake, caplog):
     fake.runtime.bad_expert_ids = 7
     fake.watchdog.poll()
     assert [r.getMessage().split(" topk_idx")[0] for r in caplog.records] == ["megamoe: 5", "megamoe: 2"]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])
+def test_timeout_variable_is_validated(monkeypatch, value):
+    monkeypatch.setenv("MEGAMOE_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match="MEGAMOE_TIMEOUT_S must be a positive number of seconds"):
+        ops._timeout_s()
+
+
+def test_timeout_default(monkeypatch):
+    monkeypatch.delenv("MEGAMOE_TIMEOUT_S", raising=False)
+    assert ops._timeout_s() == ops.DEFAULT_TIMEOUT_S
+    monkeypatch.setenv("MEGAMOE_TIMEOUT_S", "2.5")
+    assert ops._timeout_s() == 2.5
 
 
 def test_symm_buffer_constructor_names_bad_arguments():
