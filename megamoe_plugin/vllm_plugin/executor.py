@@ -15,6 +15,14 @@ Symmetric buffers
     every EP rank in the same forward), sized for max_num_batched_tokens, and shared by
     every layer of that shape: layers run one after another, so one buffer suffices.
     Allocation is collective over the EP group (torch symmetric memory rendezvous).
+
+Warm-up
+    Every layer registers its kernel-layout weights at load (`register_layer_weights`).
+    Before the first kernel call on a buffer (the profile run, on every EP rank alike),
+    `maybe_warmup` compiles and loads every kernel variant the batch sizes select and
+    builds the kernel params of every registered layer of that buffer, then waits at a
+    barrier over the EP group (`megamoe_plugin.ops.warmup`): no rank launches a collective
+    call while another still compiles, and graph capture finds everything built.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -78,6 +87,9 @@ class EPGroup:
 
 
 _buffers: Dict[Tuple, object] = {}
+# buffer_key -> {layer: (l1, l2)}, weakly keyed: a freed model's layers drop out.
+_layer_weights: Dict[Tuple, "weakref.WeakKeyDictionary"] = {}
+# (id(buffer), weight pointers) of every layer warmed up on a buffer.
 _warmed: set = set()
 _lock = threading.RLock()
 
@@ -114,8 +126,10 @@ def get_buffer(group: EPGroup, device: torch.device, num_experts: int, max_token
 
 
 def clear_buffers() -> None:
-    """Drop every cached buffer (tests; a new engine in the same process)."""
+    """Close and drop every cached buffer (tests; a new engine in the same process)."""
     with _lock:
+        for buf in _buffers.values():
+            buf.close()
         _buffers.clear()
         _warmed.clear()
 
@@ -173,20 +187,38 @@ def vllm_numerics() -> Optional[str]:
     return "exact" if os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0") else None
 
 
-def maybe_warmup(buf, l1, l2, token_counts: Iterable[int], numerics: Optional[str] = None) -> None:
-    """Compile every kernel variant these token counts select, once per buffer/weights shape."""
+def register_layer_weights(key: Tuple, layer, l1, l2) -> None:
+    """Record a layer's kernel-layout weights (at load) for the warm-up of the buffer with
+    this buffer_key; registering the layer again replaces its weights."""
+    with _lock:
+        _layer_weights.setdefault(key, weakref.WeakKeyDictionary())[layer] = (tuple(l1), tuple(l2))
+
+
+def _weights_key(l1, l2) -> Tuple[int, ...]:
+    return (l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(), l2[1].data_ptr())
+
+
+def maybe_warmup(buf, key: Tuple, l1, l2, token_counts: Iterable[int], numerics: Optional[str] = None) -> None:
+    """Before a layer's first kernel call on `buf` (buffer_key `key`): ops.warmup with every
+    kernel variant these token counts select in `numerics` mode (vllm_numerics: one mode per
+    process), for this layer's weights and those of every registered layer of the buffer not
+    warmed up yet; it ends with the group barrier."""
     import megamoe_plugin.ops as ops
 
-    key = (id(buf),)
-    if key in _warmed:
+    if (id(buf), _weights_key(l1, l2)) in _warmed:
         return
-    _warmed.add(key)
-    counts = list(token_counts)
-    t0 = time.perf_counter()
-    logger.info("megamoe_sm90: compiling the kernel variants for %d batch sizes (%d..%d tokens)", len(counts),
-                counts[0], counts[-1])
-    n = ops.warmup(buf, l1, l2, counts, numerics=numerics)
-    logger.info("megamoe_sm90: %s kernel variant(s) ready in %.1fs", n, time.perf_counter() - t0)
+    with _lock:
+        layers = {_weights_key(l1, l2): (tuple(l1), tuple(l2))}
+        for weights in list(_layer_weights.get(key, {}).values()):
+            layers.setdefault(_weights_key(*weights), weights)
+        pending = [weights for wkey, weights in layers.items() if (id(buf), wkey) not in _warmed]
+        counts = list(token_counts)
+        t0 = time.perf_counter()
+        logger.info("megamoe_sm90: compiling the kernel variants for %d batch sizes (%d..%d tokens) and building "
+                    "the kernel params of %d layer(s)", len(counts), counts[0], counts[-1], len(pending))
+        n = ops.warmup(buf, l1, l2, counts, numerics=numerics, other_layers=pending[1:])
+        _warmed.update((id(buf), wkey) for wkey in layers)
+        logger.info("megamoe_sm90: %s kernel variant(s) ready in %.1fs", n, time.perf_counter() - t0)
 
 
 # ------------------------------------------------------------------ the two executors

@@ -73,13 +73,23 @@ class LayerRuntime:
         return executor.get_buffer(self.group, device, self.num_experts, self.max_tokens, self.topk, self.hidden,
                                    self.intermediate)
 
+    def buffer_key(self, device: torch.device):
+        return executor.buffer_key(self.group, device, (self.num_experts, self.max_tokens, self.topk, self.hidden,
+                                                        self.intermediate))
+
+    def register_weights(self, layer, l1, l2) -> None:
+        """At load: the first forward's warm-up then builds this layer's kernel params too,
+        whichever layer runs first."""
+        if self.executor == "kernel":
+            executor.register_layer_weights(self.buffer_key(l1[0].device), layer, l1, l2)
+
     def run(self, output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
             topk_weights: torch.Tensor, l1, l2) -> None:
         if not hidden_states.is_contiguous():
             hidden_states = hidden_states.contiguous()
         buf = self.buffer(hidden_states.device)
         if self.executor == "kernel":
-            executor.maybe_warmup(buf, l1, l2, self.warmup_counts, self.numerics)
+            executor.maybe_warmup(buf, self.buffer_key(buf.device), l1, l2, self.warmup_counts, self.numerics)
             executor.run_kernel(output, hidden_states, topk_ids, topk_weights, l1, l2, buf, self.activation_clamp,
                                 self.numerics)
         else:
@@ -227,6 +237,7 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
             # Rebind, never copy: the old storages are released here, the parameters (and
             # with them EPLB's view of the experts) now hold what the kernel reads.
             w13.data, s13.data, w2.data, s2.data = t13, ts13, t2, ts2
+        self.runtime.register_weights(layer, (w13, s13), (w2, s2))
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
         self.experts = MegaMoEExperts(self.moe, self.moe_quant_config, self.runtime)
         self.moe_kernel = mk.FusedMoEKernel(MegaMoEPrepareAndFinalize(), self.experts)

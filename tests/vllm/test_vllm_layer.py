@@ -329,8 +329,8 @@ def kernel_executor_with_fake_op(monkeypatch):
             y.copy_(ref)
         return y
 
-    def fake_warmup(buf, l1, l2, counts, fast_math=True, numerics=None):
-        calls["warmup"].append((buf, list(counts), numerics))
+    def fake_warmup(buf, l1, l2, counts, fast_math=True, numerics=None, other_layers=()):
+        calls["warmup"].append((buf, list(counts), numerics, [tuple(l1), tuple(l2)], [list(w) for w in other_layers]))
         return 1
 
     monkeypatch.setattr(mm, "fp8_mega_moe", fake_op)
@@ -353,15 +353,26 @@ def test_kernel_executor_glue(vllm_config, dist_env, kernel_executor_with_fake_o
     _assert_close(ya, torch_moe(x, logits, ckpt_a, TOPK))
     _assert_close(yb, torch_moe(x, logits, ckpt_b, TOPK))
 
-    # One buffer for the shape, sized for max_num_batched_tokens, warmed up once.
+    # One buffer for the shape, sized for max_num_batched_tokens, warmed up once, before the
+    # first call, for both layers' weights (b's params are built before its first call).
     assert len({id(c["buf"]) for c in calls["op"]}) == 1
     buf = calls["op"][0]["buf"]
     assert (buf.num_experts, buf.num_topk, buf.hidden, buf.intermediate_size) == (NUM_EXPERTS, TOPK, HIDDEN,
                                                                                  INTERMEDIATE)
     assert buf.num_max_tokens_per_rank >= MAX_BATCHED_TOKENS
     assert len(calls["warmup"]) == 1
-    counts = calls["warmup"][0][1]
+    warm_buf, counts, _, warm_weights, other_layers = calls["warmup"][0]
+    assert warm_buf is buf
     assert counts[0] == 1 and counts[-1] == buf.num_max_tokens_per_rank and counts == sorted(set(counts))
+
+    def pointers(l1, l2):
+        return tuple(t.data_ptr() for t in (*l1, *l2))
+
+    first_layer = pointers(calls["op"][0]["l1"], calls["op"][0]["l2"])
+    eb = b.routed_experts
+    second_layer = pointers((eb.w13_weight, eb.w13_weight_scale_inv), (eb.w2_weight, eb.w2_weight_scale_inv))
+    assert pointers(*warm_weights) == first_layer
+    assert [pointers(*w) for w in other_layers] == [second_layer]
 
     # The op gets the layer's parameters themselves (kernel layout), the staged tokens,
     # and the rank-equal token count for the config lookup.
