@@ -54,7 +54,8 @@ from .heuristics import (
     MIN_STAGES,
     NUMERICS_MODES,
     SMEM_LIMIT,
-    IMPLEMENTED_BLOCK_M,
+    implemented_block_m,
+    supported_block_m,
     KernelConfig,
     check_numerics,
     default_config,
@@ -257,9 +258,10 @@ class _Validator:
         elif "runner_up" in value:
             self.fail(path, "runner_up needs the entry's own measured time (us) beside it")
         if "block_m" in value:
-            block_m = self.check_block_m(value["block_m"], f"{path}.block_m")
+            block_m = self.check_block_m(value["block_m"], f"{path}.block_m", modes)
         else:
-            block_m = select_block_m(expected)
+            block_m = select_block_m(expected, [t for t in supported_block_m(modes[0])
+                                                if all(t in supported_block_m(m) for m in modes)])
         if "num_stages" not in value:  # the heuristic's depth, the shallowest of the table's modes
             num_stages = min(default_num_stages(block_m, shape.num_local_experts, shape.hidden, shape.intermediate_size,
                                                 numerics=mode) for mode in modes)
@@ -269,10 +271,11 @@ class _Validator:
             self.check_runner_up(value["runner_up"], f"{path}.runner_up", value, shape, modes)
         return TunedEntry(block_m=block_m, num_stages=num_stages)
 
-    def check_block_m(self, value: Any, path: str) -> int:
+    def check_block_m(self, value: Any, path: str, modes: Tuple[str, ...]) -> int:
         block_m = self.check_int(value, path)
-        if block_m not in IMPLEMENTED_BLOCK_M:
-            self.fail(path, f"{block_m} is not an implemented tier {IMPLEMENTED_BLOCK_M}")
+        for mode in modes:  # a table for both modes names a tier both implement
+            if block_m not in implemented_block_m(mode):
+                self.fail(path, f"{block_m} is not a tier of {mode!r} numerics {implemented_block_m(mode)}")
         return block_m
 
     def check_num_stages(self, value: Any, path: str, block_m: int, shape: TableShape, modes: Tuple[str, ...]) -> int:
@@ -290,7 +293,7 @@ class _Validator:
         """The second fastest config measured: a runnable config other than the winner,
         no faster than it."""
         self.check_object(value, path, _RUNNER_UP_KEYS)
-        block_m = self.check_block_m(value["block_m"], f"{path}.block_m")
+        block_m = self.check_block_m(value["block_m"], f"{path}.block_m", modes)
         num_stages = self.check_num_stages(value["num_stages"], f"{path}.num_stages", block_m, shape, modes)
         if (block_m, num_stages) == (winner["block_m"], winner["num_stages"]):
             self.fail(path, "is the entry's own config")

@@ -23,17 +23,19 @@ from typing import Optional, Sequence
 # columns; BLOCK_K is the 128-wide FP8 scale block of both activations and weights.
 BLOCK_N = 256
 BLOCK_K = 128
-# Every BLOCK_M tier the kernel design has; the ones the kernel implements (L1 is swap-AB
-# in every tier, L2 below 64: tokens on the WGMMA N side, csrc/megamoe/config.cuh); and the
-# ones the heuristics pick by themselves. A tier joins SUPPORTED_BLOCK_M once measurements
-# show where it wins (docs/results round 7: on H200, v4flash and v3 with 32 local experts);
-# the others run only when forced (MEGAMOE_BLOCK_M, ops.select_variant) or named by a tuned
-# config table.
+# Every BLOCK_M tier the kernel design has; the ones the kernel implements in some numerics
+# mode (swap-AB below 64: tokens on the WGMMA N side; 128: two math warpgroups of 64 rows share
+# each weight tile, fast numerics only; csrc/megamoe/config.cuh); and the ones the heuristics
+# pick by themselves. A tier joins SUPPORTED_BLOCK_M once measurements show where it wins
+# (docs/results round 7: on H200, v4flash and v3 with 32 local experts); the others run only
+# when forced (MEGAMOE_BLOCK_M, ops.select_variant) or named by a tuned config table.
 BLOCK_M_TIERS = (8, 16, 32, 64, 128)
-IMPLEMENTED_BLOCK_M = (8, 16, 32, 64)
-SUPPORTED_BLOCK_M = (8, 16, 32, 64)
+IMPLEMENTED_BLOCK_M = (8, 16, 32, 64, 128)
+SUPPORTED_BLOCK_M = (8, 16, 32, 64, 128)
+_EXACT_BLOCK_M = (8, 16, 32, 64)  # exact L1 (FP16 tensor cores) has no BLOCK_M 128 tier
 # (largest expected tokens per expert, preferred tier); above the last bound the largest tier.
-# Round 7: 8 won up to 2 rows per expert, 16 at 6-8, 32 at 24 (v4flash), 64 at 32 (v3).
+# Round 7: 8 won up to 2 rows per expert, 16 at 6-8, 32 at 24 (v4flash), 64 at 32 (v3); 128
+# above 64 rows is the prediction of halving the weight traffic per token, for the sweep to check.
 _TIER_UPPER_BOUNDS = ((4.0, 8), (8.0, 16), (24.0, 32), (64.0, 64))
 
 # DESIGN.md section 2's two numerics modes: "fast" runs L1 on FP8 tensor cores (the default),
@@ -46,6 +48,16 @@ def check_numerics(numerics) -> str:
     if numerics not in NUMERICS_MODES:
         raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {numerics!r}")
     return numerics
+
+
+def implemented_block_m(numerics: str) -> tuple:
+    """The tiers the kernel implements in this numerics mode."""
+    return _EXACT_BLOCK_M if check_numerics(numerics) == "exact" else IMPLEMENTED_BLOCK_M
+
+
+def supported_block_m(numerics: str) -> tuple:
+    """The tiers the heuristic picks from in this numerics mode."""
+    return tuple(t for t in SUPPORTED_BLOCK_M if t in implemented_block_m(numerics))
 
 
 # Opt-in dynamic shared memory per block on SM90 (227 KiB).
@@ -226,7 +238,7 @@ def default_config(num_ranks: int, num_experts: int, num_topk: int, hidden: int,
         if value < BLOCK_K or value % BLOCK_K != 0:
             raise ValueError(f"{name} must be a positive multiple of {BLOCK_K}, got {value}")
     expected = expected_tokens_per_expert(num_tokens, num_ranks, num_topk, num_experts)
-    block_m = select_block_m(expected)
+    block_m = select_block_m(expected, supported_block_m(numerics))
     num_stages = default_num_stages(block_m, num_experts // num_ranks, hidden, intermediate_size, numerics=numerics)
     return KernelConfig(block_m=block_m, num_stages=num_stages, num_sms=num_sms)
 

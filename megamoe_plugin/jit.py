@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
+import itertools
 import os
 import re
 import shutil
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Union
 
 from .buffer import SIGNAL_WORDS
-from .heuristics import DEFAULT_NUMERICS, check_numerics
+from .heuristics import DEFAULT_NUMERICS, implemented_block_m
 from .paths import CSRC_DIR
 
 KERNEL_NAME = "megamoe_fused_kernel"
@@ -47,7 +48,9 @@ class KernelVariant:
     numerics: str = DEFAULT_NUMERICS  # heuristics.NUMERICS_MODES
 
     def __post_init__(self):
-        check_numerics(self.numerics)
+        if self.block_m not in implemented_block_m(self.numerics):
+            raise ValueError(f"block_m={self.block_m} is not implemented in {self.numerics!r} numerics "
+                             f"(tiers {implemented_block_m(self.numerics)})")
 
     def source(self) -> str:
         cpp_bool = {True: "true", False: "false"}
@@ -249,30 +252,31 @@ def check_variants(variants: List[KernelVariant]) -> int:
 
 
 def reference_variants() -> List[KernelVariant]:
-    """Every variant the heuristics pick for DESIGN.md section 8's reference configs, and
-    each implemented tier they pick for none of its token counts once per reference shape
-    on one rank (MEGAMOE_BLOCK_M, tuned tables)."""
+    """Every variant the heuristics pick for DESIGN.md section 8's reference configs, in both
+    numerics modes, and each tier a mode implements that they pick for none of its token counts,
+    once per reference shape on one rank (MEGAMOE_BLOCK_M, tuned tables)."""
     from .configs import REFERENCE_SHAPES, REFERENCE_TOKENS_PER_RANK
-    from .heuristics import IMPLEMENTED_BLOCK_M, default_config, default_num_stages
+    from .heuristics import NUMERICS_MODES, default_config, default_num_stages
 
     variants = []
-    for shape in REFERENCE_SHAPES.values():
+    for shape, numerics in itertools.product(REFERENCE_SHAPES.values(), NUMERICS_MODES):
         hidden, inter, topk, num_local_experts = (shape.hidden, shape.intermediate_size, shape.num_topk,
                                                   shape.num_local_experts)
         for num_ranks in (1, 2):
             num_experts = num_local_experts * num_ranks
             for tokens in REFERENCE_TOKENS_PER_RANK:
-                cfg = default_config(num_ranks, num_experts, topk, hidden, inter, tokens, 132)
+                cfg = default_config(num_ranks, num_experts, topk, hidden, inter, tokens, 132, numerics)
                 for fast_math in (True, False):
                     v = KernelVariant(hidden, inter, topk, num_experts, num_ranks, cfg.block_m, cfg.num_stages,
-                                      fast_math)
+                                      fast_math, numerics)
                     if v not in variants:
                         variants.append(v)
         picked = {v.block_m for v in variants if (v.hidden, v.intermediate_size, v.num_topk, v.num_experts,
-                                                    v.num_ranks) == (hidden, inter, topk, num_local_experts, 1)}
-        for block_m in sorted(set(IMPLEMENTED_BLOCK_M) - picked):
-            stages = default_num_stages(block_m, num_local_experts, hidden, inter)
-            variants.append(KernelVariant(hidden, inter, topk, num_local_experts, 1, block_m, stages, True))
+                                                    v.num_ranks, v.numerics)
+                  == (hidden, inter, topk, num_local_experts, 1, numerics)}
+        for block_m in sorted(set(implemented_block_m(numerics)) - picked):
+            stages = default_num_stages(block_m, num_local_experts, hidden, inter, numerics=numerics)
+            variants.append(KernelVariant(hidden, inter, topk, num_local_experts, 1, block_m, stages, True, numerics))
     return variants
 
 

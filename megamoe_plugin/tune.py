@@ -51,14 +51,17 @@ from .configs import (
 )
 from .heuristics import (
     BLOCK_K,
+    DEFAULT_NUMERICS,
     IMPLEMENTED_BLOCK_M,
     MAX_STAGES,
     MIN_STAGES,
     NUMERICS_MODES,
     default_num_stages,
     expected_tokens_per_expert,
+    implemented_block_m,
     max_pipeline_stages,
     select_block_m,
+    supported_block_m,
 )
 from .jit import KernelVariant, compile_variants
 from .progress import progress_bar
@@ -105,14 +108,16 @@ Timings = List[Tuple[Candidate, float]]
 Timer = Callable[[Point, Candidate], float]
 
 
-def tier_candidates(expected_tokens: float, tiers: Optional[Sequence[int]] = None) -> Tuple[int, ...]:
-    """`tiers` if given, else the heuristic's tier and its implemented neighbours: the
-    tier bounds come from a few measured shapes (heuristics._TIER_UPPER_BOUNDS), so the
-    winner elsewhere is near them, not far off."""
+def tier_candidates(expected_tokens: float, tiers: Optional[Sequence[int]] = None,
+                    numerics: str = DEFAULT_NUMERICS) -> Tuple[int, ...]:
+    """`tiers` if given (those the mode implements), else the heuristic's tier and its
+    neighbours among the mode's tiers: the tier bounds come from a few measured shapes
+    (heuristics._TIER_UPPER_BOUNDS), so the winner elsewhere is near them, not far off."""
+    own = implemented_block_m(numerics)
     if tiers is not None:
-        return tuple(tiers)
-    i = IMPLEMENTED_BLOCK_M.index(select_block_m(expected_tokens))
-    return IMPLEMENTED_BLOCK_M[max(0, i - 1): i + 2]
+        return tuple(t for t in tiers if t in own)
+    i = own.index(select_block_m(expected_tokens, supported_block_m(numerics)))
+    return own[max(0, i - 1): i + 2]
 
 
 def stage_candidates(block_m: int, shape: TableShape, numerics: str,
@@ -137,11 +142,11 @@ def plan(shapes: Mapping[str, TableShape], tokens: Sequence[int], numerics: Sequ
         for n in sorted(set(tokens)):
             expected = expected_tokens_per_expert(n, 1, shape.num_topk, shape.num_local_experts)
             for mode in dict.fromkeys(numerics):
-                candidates = tuple(Candidate(block_m, s) for block_m in tier_candidates(expected, tiers)
+                candidates = tuple(Candidate(block_m, s) for block_m in tier_candidates(expected, tiers, mode)
                                    for s in stage_candidates(block_m, shape, mode, stages))
                 if not candidates:
-                    raise ValueError(f"--stages {','.join(map(str, stages))}: none fits in shared memory at any of "
-                                     f"the tiers {tier_candidates(expected, tiers)} for {name} "
+                    raise ValueError(f"--stages/--tiers: no config fits in shared memory at any of "
+                                     f"the tiers {tier_candidates(expected, tiers, mode)} for {name} "
                                      f"({shape.num_local_experts} local experts) in {mode} numerics")
                 points.append(Point(name, shape, n, mode, candidates))
     return points

@@ -26,14 +26,15 @@ def test_reference_variants_cover_every_tier_of_each_reference_shape():
     """MEGAMOE_BLOCK_M can force any implemented tier on a reference shape (measuring
     tiers): the compile check covers each, not only the tiers the heuristics pick."""
     from megamoe_plugin.configs import REFERENCE_SHAPES
-    from megamoe_plugin.heuristics import IMPLEMENTED_BLOCK_M
+    from megamoe_plugin.heuristics import NUMERICS_MODES, implemented_block_m
 
     variants = jit.reference_variants()
     for shape in REFERENCE_SHAPES.values():
-        tiers = {v.block_m for v in variants
-                 if (v.hidden, v.intermediate_size, v.num_topk, v.num_experts, v.num_ranks)
-                 == (shape.hidden, shape.intermediate_size, shape.num_topk, shape.num_local_experts, 1)}
-        assert tiers == set(IMPLEMENTED_BLOCK_M), shape
+        for numerics in NUMERICS_MODES:
+            tiers = {v.block_m for v in variants
+                     if (v.hidden, v.intermediate_size, v.num_topk, v.num_experts, v.num_ranks, v.numerics)
+                     == (shape.hidden, shape.intermediate_size, shape.num_topk, shape.num_local_experts, 1, numerics)}
+            assert tiers == set(implemented_block_m(numerics)), (shape, numerics)
 
 
 def test_cache_key_changes_with_variant():

@@ -22,28 +22,39 @@ struct KernelConfig {
   // into float32 every 128 K.
   static constexpr bool kExactL1 = kExactL1_;
 
-  // A GEMM tile is BLOCK_M pool rows x 256 weight rows x 128 (K); math warpgroup w
-  // computes weight rows [128w, 128w+128). Exact L1 is always swap-AB on FP16 tensor cores
-  // (weight rows on the WGMMA M side as two m64 sub-tiles per warpgroup, pool rows the N
-  // side, m64nBLOCK_Mk16; gemm.cuh mma_tile_l1). FP8 GEMMs (L2, and L1 in fast mode): BLOCK_M
-  // 64 with pool rows on the M side (m64n128k32), BLOCK_M 8/16/32 (decode tiers) swap-AB
-  // (m64nBLOCK_Mk32), so a tile with a few tokens does not pay for 64 rows of MMA.
+  // A GEMM tile is BLOCK_M pool rows x 256 weight rows x 128 (K). Exact L1 is always swap-AB on
+  // FP16 tensor cores (weight rows on the WGMMA M side as two m64 sub-tiles per warpgroup,
+  // warpgroup w taking weight rows [128w, 128w + 128), pool rows the N side, m64nBLOCK_Mk16;
+  // gemm.cuh mma_tile_l1). FP8 GEMMs (L2, and L1 in fast mode): BLOCK_M 8/16/32 (decode tiers)
+  // swap-AB the same way (m64nBLOCK_Mk32), so a tile with a few tokens does not pay for 64 rows
+  // of MMA; BLOCK_M 64 and 128 with pool rows on the M side (m64n128k32, gemm.cuh mma_tile).
   static constexpr bool kFp8SwapAB = kBlockM < 64;
+  // BLOCK_M 128 (fast numerics only): cooperative, math warpgroup w takes rows [64w, 64w + 64)
+  // and all 256 weight rows as two halves that share its token operand, so each weight tile
+  // feeds twice the tokens (half the weight traffic per token of BLOCK_M 64). Its 128-float
+  // accumulator plus a 64-float k-block part need more than the 168 registers a thread of a
+  // 384-thread CTA starts with: the math warpgroups take kMathRegisters, warpgroup 0 (producer)
+  // gives up to kProducerRegisters for the GEMM phases (setmaxnreg, kernel.cuh).
+  static constexpr int kWgHalves = kBlockM == 128 ? 2 : 1;
+  static constexpr bool kRebalanceRegisters = kBlockM == 128;
+  static constexpr int kEntryRegisters = 168;  // 65536 / 384, in setmaxnreg's steps of 8
+  static constexpr int kMathRegisters = 232;
+  static constexpr int kProducerRegisters = 40;
+  // The first pool row of the tile that warpgroup `wg` computes, and the 128-row weight block
+  // of the tile its half `h` covers (mma_tile, l1_epilogue, l2_epilogue).
+  static constexpr int wg_first_row(int wg) { return kWgHalves == 2 ? 64 * wg : 0; }
+  static constexpr int wg_weight_block(int wg, int h) { return kWgHalves == 2 ? h : wg; }
   // L2 tiles start as soon as their m-block's L1 tiles are done, without a grid barrier
   // (kernel.cuh). Measured 1.6-4% faster at 1-32 tokens (docs/results round 8). At BLOCK_M 64
   // it was 1-3% slower (round 7) and makes ptxas spill, so that tier keeps the barrier.
   static constexpr bool kL2TrailsL1 = kBlockM < 64;
   static constexpr int kSwapSubTiles = 2;  // m64 sub-tiles per warpgroup in swap-AB
-  // Accumulator floats per math thread: 2 sub-tiles of m64nBLOCK_M (L1, swap-AB L2), or
-  // m64n128 (L2 at BLOCK_M 64): BLOCK_M either way.
+  // Accumulator floats per math thread: 2 sub-tiles of m64nBLOCK_M (swap-AB), m64n128 (BLOCK_M 64)
+  // or two m64n128 halves (BLOCK_M 128): BLOCK_M in every case.
   static constexpr int kAccFloats = kSwapSubTiles * kBlockM / 2;
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 128;
   static constexpr int kWgN = 128;
-  // FP8 GEMMs: K depth accumulated inside FP8 WGMMA before promotion to float32 registers.
-  // Exact L1 runs on FP16 tensor cores instead (gemm.cuh, mma_tile_l1): FP8 accumulation
-  // flips ~1% of the requantized act codes, even when promoted every 32 K (docs/results).
-  static constexpr int kPromoteK = 128;
   // L1: 256 interleaved gate/up rows = 128 outputs = exactly one requant group.
   static constexpr int kL1NumNBlocks = 2 * kInter / kBlockN;
   static constexpr int kL2NumNBlocks = (kHidden + kBlockN - 1) / kBlockN;
@@ -83,8 +94,10 @@ struct KernelConfig {
   static constexpr int kScratchInts = kSendScratchInts > kRecvScratchInts ? kSendScratchInts : kRecvScratchInts;
 
   static_assert(kHidden % 128 == 0 && kInter % 128 == 0, "H and I must be multiples of 128");
-  static_assert(kBlockM == 64 || kBlockM == 8 || kBlockM == 16 || kBlockM == 32,
-                "this kernel implements BLOCK_M 64 and the swap-AB tiers 8, 16, 32");
+  static_assert(kBlockM == 8 || kBlockM == 16 || kBlockM == 32 || kBlockM == 64 || (kBlockM == 128 && !kExactL1),
+                "this kernel implements BLOCK_M 8, 16, 32, 64, and 128 in fast numerics");
+  static_assert(!kRebalanceRegisters || kProducerRegisters * 128 + kMathRegisters * kNumMathThreads <= 65536,
+                "register rebalancing over the SM's register file");
   static_assert(kNumExperts % kNumRanks == 0, "E must be a multiple of R");
   static_assert(kNumStages >= 2, "need at least two pipeline stages");
   static_assert(kScratchInts * 4 <= kNumStages * kStageBytes, "dispatch scratch does not fit");

@@ -1,10 +1,10 @@
 // GEMM epilogues, run by the math warpgroups on their register accumulators.
 //
 // L1: the 256 interleaved weight rows of a tile are gate/up pairs of 128 outputs (one
-// requant group); a token's amax is reduced over the math warps through shared memory
-// (named barrier 1), then all quantize with the same float32 scale. l1_epilogue_swap takes
-// the swap-AB accumulators (exact L1, and fast L1 below BLOCK_M 64), l1_epilogue the
-// m64n128 ones (fast L1 at BLOCK_M 64).
+// requant group); a token's amax is reduced over the threads that hold its outputs (through
+// shared memory, named barrier 1, where they span warpgroups), then all quantize with the same
+// float32 scale. l1_epilogue_swap takes the swap-AB accumulators (exact L1, and fast L1 below
+// BLOCK_M 64), l1_epilogue the m64n128 ones (fast L1 at BLOCK_M 64 and 128).
 // Then publish_l1_tile counts the tile into l1_done[m-block] (its L2 tiles wait on it).
 // L2: BF16 rows are stored straight into the combine buffer of the rank that owns the
 // token (over NVLink for remote tokens), at the token's (slot) position.
@@ -48,16 +48,20 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-// Fast L1 at BLOCK_M 64 (gemm.cuh mma_tile): acc is this warpgroup's m64n128 accumulator,
-// pool rows r0 and r0 + 8, weight rows in 8-wide chunks that alternate gate (even chunk 2j)
-// and up (odd chunk 2j + 1) of output 64 wg + 8 j + 2 q + {0, 1}. A row's amax spans both
-// warpgroups' 64 outputs: the quad reduces its own, the two warpgroups meet in shared memory.
+// Fast L1 at BLOCK_M 64 and 128 (gemm.cuh mma_tile): a warpgroup's half h holds m64n128
+// accumulators (acc + 64h) of pool rows row0 + r0 and row0 + r0 + 8, weight rows in 8-wide
+// chunks that alternate gate (even chunk 2j) and up (odd chunk 2j + 1) of output
+// 64 b + 8 j + 2 q + {0, 1}, b the half's weight block (Cfg::wg_weight_block). A row's amax
+// spans the tile's 128 outputs: at BLOCK_M 128 one warpgroup holds all of them (the quad
+// reduces); at BLOCK_M 64 the two warpgroups hold 64 each and meet in shared memory.
+// The act values overwrite the gate slots of acc.
 template <class Cfg>
 __device__ __forceinline__ void l1_epilogue(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
-                                            const Tile& t, int wg, const FragCoord& fc, const float* acc,
+                                            const Tile& t, int wg, const FragCoord& fc, float* acc,
                                             float* amax_exchange, int parity) {
-  const int row_base = tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
-  const int valid_rows = tables.exp_count[t.expert] - t.m_block * Cfg::kBlockM;
+  constexpr int kHalves = Cfg::kWgHalves;
+  const int row_base = tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM + Cfg::wg_first_row(wg);
+  const int valid_rows = tables.exp_count[t.expert] - t.m_block * Cfg::kBlockM - Cfg::wg_first_row(wg);
   const bool valid[2] = {fc.r0 < valid_rows, fc.r0 + 8 < valid_rows};
   const float* pool_weight = reinterpret_cast<const float*>(base + p.off.pool_weight);
   float w[2];
@@ -65,44 +69,50 @@ __device__ __forceinline__ void l1_epilogue(const KernelParams& p, uint8_t* base
   for (int half = 0; half < 2; ++half) w[half] = valid[half] ? __ldcg(pool_weight + row_base + fc.r0 + 8 * half) : 0.f;
   const float clamp = p.activation_clamp;
 
-  // act[4j + i]: output pair j (gate chunk 2j, up chunk 2j + 1), fragment slot i (rows r0 for
-  // i < 2, r0 + 8 otherwise).
-  float act[32];
+  // acc[64h + 8j + i], i < 4: output pair j of half h (gate chunk 2j; the up chunk 2j + 1 is
+  // acc[64h + 8j + 4 + i]); fragment slot i: row r0 for i < 2, r0 + 8 otherwise.
   float amax[2] = {0.f, 0.f};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int h = 0; h < kHalves; ++h)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float gate = fminf(acc[8 * j + i], clamp);
-      const float up = fminf(fmaxf(acc[8 * j + 4 + i], -clamp), clamp);
-      const float v = silu<Cfg::kFastMath>(gate) * up * w[i / 2];
-      act[4 * j + i] = v;
-      amax[i / 2] = fmaxf(amax[i / 2], fabsf(v));
-    }
-  }
-  float* mine = amax_exchange + (parity * 2 + wg) * Cfg::kBlockM;
-  const float* other = amax_exchange + (parity * 2 + (wg ^ 1)) * Cfg::kBlockM;
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float* slot = acc + 64 * h + 8 * j + i;
+        const float gate = fminf(slot[0], clamp);
+        const float up = fminf(fmaxf(slot[4], -clamp), clamp);
+        slot[0] = silu<Cfg::kFastMath>(gate) * up * w[i / 2];
+        amax[i / 2] = fmaxf(amax[i / 2], fabsf(slot[0]));
+      }
 #pragma unroll
   for (int half = 0; half < 2; ++half) amax[half] = quad_max(amax[half]);
-  if (fc.q == 0) mine[fc.r0] = amax[0], mine[fc.r0 + 8] = amax[1];
-  named_barrier_sync(kEpilogueBarrierId, Cfg::kNumMathThreads);
+  if constexpr (kHalves == 1) {
+    float* mine = amax_exchange + (parity * 2 + wg) * Cfg::kBlockM;
+    const float* other = amax_exchange + (parity * 2 + (wg ^ 1)) * Cfg::kBlockM;
+    if (fc.q == 0) mine[fc.r0] = amax[0], mine[fc.r0 + 8] = amax[1];
+    named_barrier_sync(kEpilogueBarrierId, Cfg::kNumMathThreads);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) amax[half] = fmaxf(amax[half], other[fc.r0 + 8 * half]);
+  }
 
   uint8_t* act_out = base + p.off.act;
-  const int col_base = t.n_block * 128 + 64 * wg + 2 * fc.q;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     if (!valid[half]) continue;
-    const float scale = fmaxf(fmaxf(amax[half], other[fc.r0 + 8 * half]), kScaleEps) / kFp8Max;
+    const float scale = fmaxf(amax[half], kScaleEps) / kFp8Max;
     const int row = row_base + fc.r0 + 8 * half;
-    uint8_t* out = act_out + (int64_t)row * Cfg::kInter + col_base;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float2 v = make_float2(act[4 * j + 2 * half], act[4 * j + 2 * half + 1]);
-      if constexpr (Cfg::kFastMath) v.x *= 1.f / scale, v.y *= 1.f / scale;
-      else v.x /= scale, v.y /= scale;
-      *reinterpret_cast<__nv_fp8x2_storage_t*>(out + 8 * j) = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
+    for (int h = 0; h < kHalves; ++h) {
+      uint8_t* out = act_out + (int64_t)row * Cfg::kInter + t.n_block * 128 + 64 * Cfg::wg_weight_block(wg, h) + 2 * fc.q;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float2 v = make_float2(acc[64 * h + 8 * j + 2 * half], acc[64 * h + 8 * j + 2 * half + 1]);
+        if constexpr (Cfg::kFastMath) v.x *= 1.f / scale, v.y *= 1.f / scale;
+        else v.x /= scale, v.y /= scale;
+        *reinterpret_cast<__nv_fp8x2_storage_t*>(out + 8 * j) = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
+      }
     }
-    if (wg == 0 && fc.q == 0)
+    if ((kHalves == 2 || wg == 0) && fc.q == 0)
       reinterpret_cast<float*>(base + p.off.act_sf)[(int64_t)t.n_block * p.pool_capacity + row] = scale;
   }
 }
@@ -126,16 +136,16 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
   for (int j = 0; j < 4; ++j) w[j] = out[j];
 }
 
-// L2: per row, the quad's lanes hold 2 columns of each 8-column chunk; a quad transpose
-// gives each lane whole chunks, stored as 16-byte vectors (DESIGN.md s.4: 128-bit
-// NVLink scatter beat 32-bit stores by 8-14% at large M). Lane q stores chunks 4g + q.
+// L2 (BLOCK_M 64 and 128, gemm.cuh mma_tile): per row, the quad's lanes hold 2 columns of each
+// 8-column chunk; a quad transpose gives each lane whole chunks, stored as 16-byte vectors
+// (DESIGN.md s.4: 128-bit NVLink scatter beat 32-bit stores by 8-14% at large M). Lane q
+// stores chunks 4g + q. Half h of the warpgroup covers hidden columns 128 b + [0, 128) of the
+// tile, b = Cfg::wg_weight_block(wg, h).
 template <class Cfg>
 __device__ __forceinline__ void l2_epilogue(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
                                             const Tile& t, int wg, const FragCoord& fc, const float* acc) {
-  const int col0 = t.n_block * Cfg::kBlockN + wg * Cfg::kWgN;
-  if (col0 >= Cfg::kHidden) return;  // the last n-block of an H that is an odd multiple of 128 (warpgroup-uniform)
-  const int row_base = tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
-  const int valid_rows = tables.exp_count[t.expert] - t.m_block * Cfg::kBlockM;
+  const int row_base = tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM + Cfg::wg_first_row(wg);
+  const int valid_rows = tables.exp_count[t.expert] - t.m_block * Cfg::kBlockM - Cfg::wg_first_row(wg);
   const int2* pool_src = reinterpret_cast<const int2*>(base + p.off.pool_src);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -143,19 +153,25 @@ __device__ __forceinline__ void l2_epilogue(const KernelParams& p, uint8_t* base
     const bool valid = r < valid_rows;  // uniform over the quad (one row)
     int2 src = make_int2(0, 0);
     if (valid) src = __ldcg(pool_src + row_base + r);  // (source rank, token * K + slot)
-    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.peer_base[src.x] + p.off.combine) +
-                                          (int64_t)src.y * Cfg::kHidden + col0);
+    __nv_bfloat16* row = reinterpret_cast<__nv_bfloat16*>(p.peer_base[src.x] + p.off.combine) +
+                         (int64_t)src.y * Cfg::kHidden;
 #pragma unroll
-    for (int g = 0; g < 4; ++g) {
-      uint32_t w[4];
+    for (int h = 0; h < Cfg::kWgHalves; ++h) {
+      const int col0 = t.n_block * Cfg::kBlockN + Cfg::wg_weight_block(wg, h) * Cfg::kWgN;
+      if (col0 >= Cfg::kHidden) continue;  // the last n-block of an H that is an odd multiple of 128 (warpgroup-uniform)
+      uint4* dst = reinterpret_cast<uint4*>(row + col0);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int c = 4 * g + j;
-        const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * c + 2 * half], acc[4 * c + 2 * half + 1]);
-        w[j] = *reinterpret_cast<const uint32_t*>(&v);
+      for (int g = 0; g < 4; ++g) {
+        uint32_t w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int c = 4 * g + j;
+          const __nv_bfloat162 v = __floats2bfloat162_rn(acc[64 * h + 4 * c + 2 * half], acc[64 * h + 4 * c + 2 * half + 1]);
+          w[j] = *reinterpret_cast<const uint32_t*>(&v);
+        }
+        quad_transpose(w, fc.q);  // every lane takes part, valid row or not
+        if (valid) dst[4 * g + fc.q] = make_uint4(w[0], w[1], w[2], w[3]);  // chunk 4g + q: columns 8(4g + q) ..
       }
-      quad_transpose(w, fc.q);  // every lane takes part, valid row or not
-      if (valid) dst[4 * g + fc.q] = make_uint4(w[0], w[1], w[2], w[3]);  // chunk 4g + q: columns 8(4g + q) ..
     }
   }
 }

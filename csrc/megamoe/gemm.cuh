@@ -2,11 +2,11 @@
 //   - TileScheduler: static round-robin of (expert, m-block, n-block) tiles over CTAs,
 //     n-major inside an expert so neighbouring CTAs share the weight tile in L2 cache.
 //   - produce_tiles: the TMA producer (one elected thread of warp 0) fills the stage ring.
-//   - mma_tile / mma_tile_swap: L2's main loop, WGMMA FP8 into a per-k-block accumulator,
-//     promoted into float32 with the activation (per row) and weight (per 128x128 block)
-//     scales, as DeepGEMM-style block-scaled FP8 GEMMs do.
-//   - mma_tile_l1: L1's main loop, the same GEMM on FP16 tensor cores (exact products of
-//     the FP8 values, float32 accumulation), which the requantization after L1 needs.
+//   - mma_tile / mma_tile_swap: the FP8 main loops (L2, and L1 in fast numerics), WGMMA FP8
+//     into a per-k-block accumulator, promoted into float32 with the activation (per row) and
+//     weight (per 128x128 block) scales, as DeepGEMM-style block-scaled FP8 GEMMs do.
+//   - mma_tile_l1: exact L1's main loop, the same GEMM on FP16 tensor cores (exact products of
+//     the FP8 values, float32 accumulation).
 // Barriers: full[s] (1 producer arrival + TMA bytes), empty[s] (one arrival per math warp),
 // tok_full[b] / tok_empty[b] (L1's FP16 token buffers, filled by warps 1-3).
 #pragma once
@@ -201,51 +201,58 @@ __device__ __forceinline__ void for_each_fragment_col(F&& f) {
     for (int j = 0; j < 2; ++j) f(c, j);
 }
 
-// One math warpgroup's main loop over a tile: acc = sum_kb sa[row] * sb(col, kb) * (A_kb @ B_kb^T).
+// One math warpgroup's main loop over a tile with pool rows on the WGMMA M side (FP8, BLOCK_M
+// 64 and 128): acc = sum_kb sa[row] * sb(col, kb) * (A_kb @ B_kb^T), promoted into float32 once
+// per 128-K k-block. At BLOCK_M 64 both warpgroups take the tile's 64 rows and warpgroup w the
+// weight rows [128w, 128w + 128); at BLOCK_M 128 (cooperative) warpgroup w takes rows
+// [64w, 64w + 64) and all 256 weight rows, as two 128-row halves that share its token operand
+// (Cfg::kWgHalves). Half h of a warpgroup accumulates in acc[64h, 64h + 64) with the m64n128
+// fragment layout of FragCoord.
 // `sfa` points at the tile's first row in an MN-major scale pool ([k-block][pool row]).
-// `weight_scales(kb)` gives the weight block scales at k-block kb: .x for even 8-column
-// chunks, .y for odd ones (L2 passes the same scale in both).
+// `weight_scales(kb, block)` gives the scales of the tile's 128-row weight block `block` (0, 1)
+// at k-block kb: .x for even 8-column chunks, .y for odd ones (L1: gate, up; L2: the same).
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ void mma_tile(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                          uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
                                          const float* sfa, float* acc, WeightScales weight_scales) {
+  constexpr int kHalves = Cfg::kWgHalves;
+  const int row0 = Cfg::wg_first_row(wg);
   float part[64];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < Cfg::kAccFloats; ++i) acc[i] = 0.f;
   for (int kb = 0; kb < kNumKBlocks; ++kb) {
     // Scale loads issued before the barrier wait hide their latency.
-    const float2 sb = weight_scales(kb);
-    const float sa0 = __ldcg(sfa + (int64_t)kb * p.pool_capacity + fc.r0);
-    const float sa1 = __ldcg(sfa + (int64_t)kb * p.pool_capacity + fc.r0 + 8);
-    mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
-    const uint64_t desc_a = make_smem_desc(sv.a(ps.stage));
-    const uint64_t desc_b = make_smem_desc(sv.b(ps.stage) + wg * Cfg::kWgN * Cfg::kBlockK);
-    // FP8 WGMMA accumulates with reduced precision inside the tensor core, so each
-    // kPromoteK slice gets a fresh accumulator that is promoted into float32 here.
+    float2 sb[kHalves];
 #pragma unroll
-    for (int slice = 0; slice < Cfg::kBlockK / Cfg::kPromoteK; ++slice) {
+    for (int h = 0; h < kHalves; ++h) sb[h] = weight_scales(kb, Cfg::wg_weight_block(wg, h));
+    const float sa0 = __ldcg(sfa + (int64_t)kb * p.pool_capacity + row0 + fc.r0);
+    const float sa1 = __ldcg(sfa + (int64_t)kb * p.pool_capacity + row0 + fc.r0 + 8);
+    mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
+    const uint64_t desc_a = make_smem_desc(sv.a(ps.stage) + row0 * Cfg::kBlockK);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      const uint64_t desc_b = make_smem_desc(sv.b(ps.stage) + Cfg::wg_weight_block(wg, h) * Cfg::kWgN * Cfg::kBlockK);
+      // FP8 WGMMA accumulates with reduced precision inside the tensor core, so each k-block
+      // gets a fresh accumulator that is promoted into float32 here.
       fence_operands<64>(part);
       cute::warpgroup_arrive();
 #pragma unroll
-      for (int k = 0; k < Cfg::kPromoteK / 32; ++k) {
-        // +32 bytes along K inside the 128B swizzle atom is +2 in the 16-byte address field.
-        const int k32 = slice * (Cfg::kPromoteK / 32) + k;
-        wgmma_call<WgmmaOp>(desc_a + 2 * k32, desc_b + 2 * k32, part, k > 0, std::make_integer_sequence<int, 64>{});
-      }
+      for (int k = 0; k < Cfg::kBlockK / 32; ++k)  // +32 bytes along K in the 128B swizzle atom: +2 in the address field
+        wgmma_call<WgmmaOp>(desc_a + 2 * k, desc_b + 2 * k, part, k > 0, std::make_integer_sequence<int, 64>{});
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<0>();
       fence_operands<64>(part);
-      if (slice == Cfg::kBlockK / Cfg::kPromoteK - 1) {
+      if (h == kHalves - 1) {
         __syncwarp();
         if (threadIdx.x % 32 == 0) cuda::ptx::mbarrier_arrive(&empty[ps.stage]);
       }
 #pragma unroll
       for (int c = 0; c < 16; ++c) {
-        const float s = (c % 2 == 0) ? sb.x : sb.y;
-        acc[4 * c + 0] += part[4 * c + 0] * (sa0 * s);
-        acc[4 * c + 1] += part[4 * c + 1] * (sa0 * s);
-        acc[4 * c + 2] += part[4 * c + 2] * (sa1 * s);
-        acc[4 * c + 3] += part[4 * c + 3] * (sa1 * s);
+        const float s = (c % 2 == 0) ? sb[h].x : sb[h].y;
+        acc[64 * h + 4 * c + 0] += part[4 * c + 0] * (sa0 * s);
+        acc[64 * h + 4 * c + 1] += part[4 * c + 1] * (sa0 * s);
+        acc[64 * h + 4 * c + 2] += part[4 * c + 2] * (sa1 * s);
+        acc[64 * h + 4 * c + 3] += part[4 * c + 3] * (sa1 * s);
       }
     }
     ps.advance<Cfg::kNumStages>();
@@ -257,7 +264,7 @@ __device__ __forceinline__ void mma_tile(const KernelParams& p, const StageView<
 // side. acc[kSwapSubTiles][BLOCK_M / 2], fragment of sub-tile i: acc[i][4c + {0,1}] =
 // weight row 64i + r0, tokens 8c + 2q + {0,1}; acc[i][4c + {2,3}] = weight row 64i + r0 + 8.
 // Promotion scales: per token (sfa, MN-major like mma_tile) and per weight block
-// (`weight_scales(kb)`: .x for rows r0, .y for rows r0 + 8; L2 passes the same scale in both).
+// (`weight_scales(kb, wg)`: .x for rows r0, .y for rows r0 + 8; L2 passes the same scale in both).
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                               uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
@@ -268,7 +275,7 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
 #pragma unroll
   for (int i = 0; i < Cfg::kAccFloats; ++i) acc[i] = 0.f;
   for (int kb = 0; kb < kNumKBlocks; ++kb) {
-    const float2 sb = weight_scales(kb);
+    const float2 sb = weight_scales(kb, wg);
     float sa[kChunks][2];
     for_each_fragment_col<kChunks>([&](int c, int j) { sa[c][j] = __ldcg(sfa + (int64_t)kb * p.pool_capacity + fc.col(c, j)); });
     mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
@@ -453,7 +460,7 @@ __device__ __forceinline__ void mma_tile_l1(const KernelParams& p, const StageVi
 #pragma unroll
   for (int i = 0; i < Cfg::kAccFloats; ++i) acc[i] = 0.f;
   for (int kb = 0; kb < kNumKBlocks; ++kb) {
-    const float2 sb = weight_scales(kb);
+    const float2 sb = weight_scales(kb, wg);
     mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
     mbar_wait(p, &tok_full[tok.stage], tok.phase, kErrPipelineFullTimeout);
     desc_tokens = make_smem_desc(sv.staging + tok.stage * Cfg::kL1TokenBytes);

@@ -6,6 +6,8 @@
 //                             convert each stage's tokens to FP16 once (gemm.cuh convert_l1_tokens)
 //   warps 4-7  (warpgroup 1)  math: WGMMA on weight rows [0, 128) of each 256-row tile, epilogues
 //   warps 8-11 (warpgroup 2)  math: weight rows [128, 256)
+//   (BLOCK_M 128: warpgroup 1 takes the tile's pool rows [0, 64), warpgroup 2 rows [64, 128), each
+//   all 256 weight rows, with registers moved from warpgroup 0 for the GEMM phases; config.cuh)
 //   All warps take part in dispatch, pull and combine.
 //
 // Phases of one call (barrier between each; every wait bounded, see sync.cuh):
@@ -26,6 +28,7 @@
 #pragma once
 
 #include <cuda/ptx>
+#include <cutlass/arch/reg_reconfig.h>
 
 #include "combine.cuh"
 #include "config.cuh"
@@ -62,12 +65,11 @@ __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base,
         __syncwarp();
         (void)l1_rows_ready<Cfg>(l1_done, gm);
       }
-      // w2_scale [E_l, H/128, I/128]; a column block past H (odd H/128) reads no scale.
-      const int nb128 = t.n_block * 2 + wg;
-      const float* sb = p.w2_scale + ((int64_t)t.expert * (Cfg::kHidden / 128) + nb128) * Cfg::kL2NumKBlocks;
-      const bool in_range = nb128 < Cfg::kHidden / 128;
-      const auto weight_scales = [&](int kb) {
-        const float s = in_range ? __ldg(sb + kb) : 0.f;
+      // w2_scale [E_l, H/128, I/128]: one scale per 128 hidden columns; a column block past H
+      // (odd H/128) reads no scale.
+      const float* sb = p.w2_scale + ((int64_t)t.expert * (Cfg::kHidden / 128) + t.n_block * 2) * Cfg::kL2NumKBlocks;
+      const auto weight_scales = [&](int kb, int block) {
+        const float s = t.n_block * 2 + block < Cfg::kHidden / 128 ? __ldg(sb + block * Cfg::kL2NumKBlocks + kb) : 0.f;
         return make_float2(s, s);
       };
       if constexpr (Cfg::kFp8SwapAB) {
@@ -80,7 +82,7 @@ __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base,
     } else {
       // w13_scale [E_l, I/128, 2 (gate, up), H/128]: the tile's n-block is the requant group.
       const float* sb = p.w13_scale + ((int64_t)t.expert * (Cfg::kInter / 128) + t.n_block) * 2 * Cfg::kL1NumKBlocks;
-      const auto weight_scales = [&](int kb) { return make_float2(__ldg(sb + kb), __ldg(sb + Cfg::kL1NumKBlocks + kb)); };
+      const auto weight_scales = [&](int kb, int) { return make_float2(__ldg(sb + kb), __ldg(sb + Cfg::kL1NumKBlocks + kb)); };
       if constexpr (Cfg::kExactL1) {
         mma_tile_l1<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, tok_full, tok_empty, ps, tok, wg, fc, acc,
                                              weight_scales);
@@ -95,6 +97,26 @@ __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base,
       if constexpr (Cfg::kL2TrailsL1) publish_l1_tile<Cfg>(p, base, tables, t);
       parity ^= 1;
     }
+  }
+}
+
+// Runs one GEMM phase's roles: warpgroup 0 `producer_wg()` (its warp 0's elected lane feeds the
+// pipeline; warps 1-3 convert exact L1's tokens), the math warpgroups `math()`. Where the tier
+// needs more registers than a thread starts with (Cfg::kRebalanceRegisters), warpgroup 0 gives
+// registers to the math warpgroups for the phase (setmaxnreg) and both return to the entry
+// count after it: the code all warps run (barriers, dispatch, combine) is compiled at that count,
+// and ptxas allocates each role's region at the budget set inside its own branch.
+template <class Cfg, class ProducerWarpgroup, class Math>
+__device__ __forceinline__ void gemm_roles(ProducerWarpgroup&& producer_wg, Math&& math) {
+  if (threadIdx.x < 128) {
+    if constexpr (Cfg::kRebalanceRegisters) cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegisters>();
+    producer_wg();
+    __syncwarp();  // setmaxnreg is warp-aligned: the elected producer lane rejoins its warp first
+    if constexpr (Cfg::kRebalanceRegisters) cutlass::arch::warpgroup_reg_alloc<Cfg::kEntryRegisters>();
+  } else {
+    if constexpr (Cfg::kRebalanceRegisters) cutlass::arch::warpgroup_reg_alloc<Cfg::kMathRegisters>();
+    math();
+    if constexpr (Cfg::kRebalanceRegisters) cutlass::arch::warpgroup_reg_dealloc<Cfg::kEntryRegisters>();
   }
 }
 
@@ -157,30 +179,37 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   // starts where L1 ended). Producer and math warpgroups walk the same tiles, so one
   // pipeline state per role carries over. An L2 tile waits for the L1 tiles of its own
   // m-block (gemm.cuh l1_done); at BLOCK_M < 64 that is all (Cfg::kL2TrailsL1), so a CTA
-  // that ends its L1 share early starts on L2 tiles; at BLOCK_M 64 a grid barrier comes first.
+  // that ends its L1 share early starts on L2 tiles; at BLOCK_M 64 and 128 a grid barrier comes first.
   PipelineState ps;
   int parity = 0;
   const bool is_producer = threadIdx.x < 32 && cute::elect_one_sync();
   const TileScheduler<Cfg> l1_sched{tables, Cfg::kL1NumNBlocks}, l2_sched{tables, Cfg::kL2NumNBlocks};
-  if (is_producer) {
-    produce_tiles<Cfg, false>(p, base, l1_sched, blockIdx.x, sv, full, empty, ps);
-  } else if (threadIdx.x >= 32 && threadIdx.x < 128) {
-    if constexpr (Cfg::kExactL1) convert_l1_tokens<Cfg>(p, l1_sched, sv, full, tok_full, tok_empty);
-  } else if (threadIdx.x >= 128) {
-    math_phase<Cfg, false>(p, base, tables, blockIdx.x, sv, full, empty, tok_full, tok_empty, ps, amax_exchange,
-                           parity);
-  }
+  gemm_roles<Cfg>(
+      [&] {
+        if (is_producer) {
+          produce_tiles<Cfg, false>(p, base, l1_sched, blockIdx.x, sv, full, empty, ps);
+        } else if (threadIdx.x >= 32) {
+          if constexpr (Cfg::kExactL1) convert_l1_tokens<Cfg>(p, l1_sched, sv, full, tok_full, tok_empty);
+        }
+      },
+      [&] {
+        math_phase<Cfg, false>(p, base, tables, blockIdx.x, sv, full, empty, tok_full, tok_empty, ps, amax_exchange,
+                               parity);
+      });
   if constexpr (!Cfg::kL2TrailsL1) {
     fence_generic_to_async();  // act rows, written with plain stores, are read by TMA next
     grid_sync(p, signals);
   }
   if (p.stop_after_phase == 5) return;  // the caller zeroes l1_done and the send counters (tools/phase_times.py)
   const int l2_first = (blockIdx.x + gridDim.x - l1_sched.num_tiles() % gridDim.x) % gridDim.x;
-  if (is_producer) {
-    produce_tiles<Cfg, true>(p, base, l2_sched, l2_first, sv, full, empty, ps);
-  } else if (threadIdx.x >= 128) {
-    math_phase<Cfg, true>(p, base, tables, l2_first, sv, full, empty, tok_full, tok_empty, ps, amax_exchange, parity);
-  }
+  gemm_roles<Cfg>(
+      [&] {
+        if (is_producer) produce_tiles<Cfg, true>(p, base, l2_sched, l2_first, sv, full, empty, ps);
+      },
+      [&] {
+        math_phase<Cfg, true>(p, base, tables, l2_first, sv, full, empty, tok_full, tok_empty, ps, amax_exchange,
+                              parity);
+      });
   __threadfence_system();
   rank_sync<Cfg::kNumRanks>(p, signals, rounds_before + 2);
   if (p.stop_after_phase == 6) return;
