@@ -97,7 +97,7 @@ class Point(NamedTuple):
 
     def heuristic(self) -> Candidate:
         """What a call would run without a table (heuristics.default_config at R = 1)."""
-        block_m = select_block_m(self.expected_tokens)
+        block_m = select_block_m(self.expected_tokens, supported_block_m(self.numerics))
         s = self.shape
         return Candidate(block_m, default_num_stages(block_m, s.num_local_experts, s.hidden, s.intermediate_size,
                                                      numerics=self.numerics))
@@ -145,7 +145,7 @@ def plan(shapes: Mapping[str, TableShape], tokens: Sequence[int], numerics: Sequ
                 candidates = tuple(Candidate(block_m, s) for block_m in tier_candidates(expected, tiers, mode)
                                    for s in stage_candidates(block_m, shape, mode, stages))
                 if not candidates:
-                    raise ValueError(f"--stages/--tiers: no config fits in shared memory at any of "
+                    raise ValueError(f"--stages {','.join(map(str, stages))}: none fits in shared memory at any of "
                                      f"the tiers {tier_candidates(expected, tiers, mode)} for {name} "
                                      f"({shape.num_local_experts} local experts) in {mode} numerics")
                 points.append(Point(name, shape, n, mode, candidates))

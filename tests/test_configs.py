@@ -50,6 +50,13 @@ def measured_table():
     }
 
 
+def test_a_fast_table_may_name_block_m_128():
+    obj = measured_table()
+    obj["tables"][0]["entries"]["64"] = {"block_m": 128, "num_stages": 4, "us": 350.0,
+                                         "runner_up": {"block_m": 64, "num_stages": 4, "us": 400.0}}
+    validate_table(obj, "tables/X.json")
+
+
 def write(directory, obj, gpu=GPU):
     path = table_path(gpu, directory)
     path.write_text(obj if isinstance(obj, str) else json.dumps(obj), encoding="utf-8")
@@ -138,8 +145,11 @@ SCHEMA_ERRORS = {
                     '$.tables[0].entries["8"]', "empty entry"),
     "entry unknown key": (edit(lambda t: t["tables"][0]["entries"]["4"].update(block_n=128)),
                           '$.tables[0].entries["4"]', "unknown key 'block_n'"),
-    "block_m unsupported": (edit(lambda t: t["tables"][0]["entries"]["4"].update(block_m=128)),
-                            '$.tables[0].entries["4"].block_m', "128 is not an implemented tier (8, 16, 32, 64)"),
+    "block_m unsupported": (edit(lambda t: t["tables"][0]["entries"]["4"].update(block_m=48)),
+                            '$.tables[0].entries["4"].block_m', "48 is not a tier of 'fast' numerics (8, 16, 32, 64, 128)"),
+    "block_m of fast only in a table for both modes": (
+        edit(lambda t: t["tables"][0]["entries"]["4"].update(block_m=128)),
+        '$.tables[0].entries["4"].block_m', "128 is not a tier of 'exact' numerics (8, 16, 32, 64)"),
     "block_m type": (edit(lambda t: t["tables"][0]["entries"]["4"].update(block_m="64")),
                      '$.tables[0].entries["4"].block_m', 'expected an integer, got "64"'),
     "num_stages below 2": (edit(lambda t: t["tables"][0]["entries"]["4"].update(num_stages=1)),
@@ -194,7 +204,9 @@ SCHEMA_V2_ERRORS = {
     "runner_up missing key": (edit(lambda t: fast_entry(t)["runner_up"].pop("us")),
                               '$.tables[0].entries["2"].runner_up', "missing key 'us'"),
     "runner_up block_m": (edit(lambda t: fast_entry(t)["runner_up"].update(block_m=48)),
-                          '$.tables[0].entries["2"].runner_up.block_m', "48 is not an implemented tier"),
+                          '$.tables[0].entries["2"].runner_up.block_m', "48 is not a tier of 'fast' numerics"),
+    "block_m 128 in an exact table": (edit(lambda t: t["tables"][1]["entries"]["2"].update(block_m=128)),
+                                      '$.tables[1].entries["2"].block_m', "128 is not a tier of 'exact' numerics"),
     "runner_up num_stages": (edit(lambda t: fast_entry(t)["runner_up"].update(block_m=64, num_stages=7)),
                              '$.tables[0].entries["2"].runner_up.num_stages', "7 stages of block_m=64"),
     "runner_up is the winner": (edit(lambda t: fast_entry(t)["runner_up"].update(block_m=8)),

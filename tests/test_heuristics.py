@@ -17,8 +17,10 @@ from megamoe_plugin.heuristics import (
     default_num_stages,
     expected_tokens_per_expert,
     max_pipeline_stages,
+    implemented_block_m,
     select_block_m,
     smem_bytes,
+    supported_block_m,
 )
 
 # Section 2 limits.
@@ -69,8 +71,14 @@ def test_select_block_m_nearest_supported():
 
 
 def test_select_block_m_defaults_to_implemented_tiers():
-    assert SUPPORTED_BLOCK_M == (8, 16, 32, 64)
-    assert (select_block_m(0), select_block_m(6), select_block_m(24), select_block_m(1e6)) == (8, 16, 32, 64)
+    assert SUPPORTED_BLOCK_M == (8, 16, 32, 64, 128)
+    assert (select_block_m(0), select_block_m(6), select_block_m(24), select_block_m(64), select_block_m(1e6)) == (
+        8, 16, 32, 64, 128)
+    # Exact L1 has no BLOCK_M 128: its largest tier is 64.
+    assert supported_block_m("exact") == implemented_block_m("exact") == (8, 16, 32, 64)
+    assert select_block_m(1e6, supported_block_m("exact")) == 64
+    assert default_config(1, 32, 8, 7168, 2048, 8192, 132, "exact").block_m == 64
+    assert default_config(1, 32, 8, 7168, 2048, 8192, 132, "fast").block_m == 128
 
 
 def test_select_block_m_supported_and_monotone():
@@ -151,7 +159,7 @@ def test_kernel_config_key_and_fields():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(block_m=128, num_stages=4, num_sms=132), "block_m"),
+    (dict(block_m=48, num_stages=4, num_sms=132), "block_m"),
     (dict(block_m=64, num_stages=1, num_sms=132), "num_stages"),
     (dict(block_m=64, num_stages=5, num_sms=0), "num_sms"),
     (dict(block_m=64, num_stages=5, num_sms=132, block_n=128), "block_n"),

@@ -98,7 +98,8 @@ def test_valid_call_without_sm90_gpu_raises_runtime_error(setup):
         mm.fp8_mega_moe(y_of(), layer.l1, layer.l2, buf)
 
 
-@pytest.mark.parametrize("value, expected", [(None, None), ("", None), ("8", 8), ("32", 32), ("64", 64)])
+@pytest.mark.parametrize("value, expected", [(None, None), ("", None), ("8", 8), ("32", 32), ("64", 64),
+                                                     ("128", 128)])
 def test_forced_block_m(monkeypatch, value, expected):
     from megamoe_plugin import ops
 
@@ -109,13 +110,23 @@ def test_forced_block_m(monkeypatch, value, expected):
     assert ops._forced_block_m() == expected
 
 
-@pytest.mark.parametrize("value", ["48", "128", "x", "-8"])
+@pytest.mark.parametrize("value", ["48", "256", "x", "-8"])
 def test_forced_block_m_names_the_variable(monkeypatch, value):
     from megamoe_plugin import ops
 
     monkeypatch.setenv("MEGAMOE_BLOCK_M", value)
     with pytest.raises(ValueError, match="MEGAMOE_BLOCK_M must be one of the implemented tiers"):
         ops._forced_block_m()
+
+
+def test_forced_block_m_128_is_refused_in_exact_numerics(monkeypatch):
+    from megamoe_plugin import ops
+    from megamoe_plugin.buffer import BufferShape
+
+    shape = BufferShape(1, 32, 512, 6, 4096, 2048)
+    assert ops.variant_for(shape, "NVIDIA H200", 132, 512, True, "fast", forced_block_m=128).block_m == 128
+    with pytest.raises(ValueError, match=r"MEGAMOE_BLOCK_M=128 is not implemented in 'exact' numerics"):
+        ops.variant_for(shape, "NVIDIA H200", 132, 512, True, "exact", forced_block_m=128)
 
 
 def test_numerics_default_comes_from_the_environment(monkeypatch):
@@ -158,7 +169,7 @@ def test_select_variant_is_memoized_and_follows_forced_block_m(monkeypatch, tmp_
     monkeypatch.delenv("MEGAMOE_BLOCK_M", raising=False)
     buf = mm.get_symm_buffer(None, 32, 512, 6, 4096, 2048, device="cpu")
     first = ops.select_variant(buf, 512, True)
-    assert first.block_m == 64
+    assert first.block_m == 128  # 96 rows per expert: fast mode's cooperative tier
     assert ops.select_variant(buf, 512, True) is first
     assert ops.select_variant(buf, 1, True).block_m == 8
     assert ops.select_variant(buf, 512, False).fast_math is False

@@ -9,7 +9,7 @@ import pytest
 from megamoe_plugin import tune
 from megamoe_plugin.configs import TableShape, TunedEntry, load_table, lookup_config, table_path, validate_table
 from megamoe_plugin.heuristics import (IMPLEMENTED_BLOCK_M, NUMERICS_MODES, SMEM_LIMIT, default_num_stages,
-                                       select_block_m, smem_bytes)
+                                       implemented_block_m, select_block_m, smem_bytes, supported_block_m)
 from megamoe_plugin.tune import Candidate, Point
 
 GPU = "Test GPU 80GB"
@@ -30,8 +30,9 @@ def test_default_plan_prunes_to_the_heuristic_and_its_neighbours():
     for p in points:
         heuristic = p.heuristic()
         assert heuristic in p.candidates, p
-        i = IMPLEMENTED_BLOCK_M.index(select_block_m(p.expected_tokens))
-        assert {c.block_m for c in p.candidates} == set(IMPLEMENTED_BLOCK_M[max(0, i - 1): i + 2]), p
+        tiers = implemented_block_m(p.numerics)  # exact has no BLOCK_M 128
+        i = tiers.index(select_block_m(p.expected_tokens, supported_block_m(p.numerics)))
+        assert {c.block_m for c in p.candidates} == set(tiers[max(0, i - 1): i + 2]), p
         for c in p.candidates:
             assert smem_bytes(c.block_m, c.num_stages, p.shape.num_local_experts, p.numerics) <= SMEM_LIMIT, (p, c)
             # The depth the heuristic gives this tier in this mode, or MAX_STAGES / 2.
@@ -61,9 +62,10 @@ def test_sweep_orders_each_points_timings_fastest_first():
     for point, timings in results:
         assert sorted(c for c, _ in timings) == sorted(point.candidates)
         assert [t for _, t in timings] == sorted(t for _, t in timings)
-    # 0.25 rows per expert: block_m 8 with the deepest pipeline; 2048: block_m 64, as deep as fits.
+    # 0.25 rows per expert: block_m 8 with the deepest pipeline; 2048: the largest tier of the mode,
+    # as deep as fits (fast: 128, exact: 64).
     assert [(p.numerics, timings[0][0]) for p, timings in results] == [
-        ("fast", Candidate(8, 6)), ("exact", Candidate(8, 6)), ("fast", Candidate(64, 5)), ("exact", Candidate(64, 4))]
+        ("fast", Candidate(8, 6)), ("exact", Candidate(8, 6)), ("fast", Candidate(128, 4)), ("exact", Candidate(64, 4))]
 
 
 def test_sweep_keeps_the_candidates_order_on_a_tie():
@@ -169,7 +171,7 @@ def test_dry_run_prints_the_candidates_and_the_cost(capsys):
     assert out[8].split() == ["e2e", "8192", "512", "exact", "32/4", "32/5", "64/4"]
     # Per shape 4 + 4 configs at 1 token, 4 (fast) + 3 (exact) at 8192, each run 30 timed + 2 more
     # times; each is its own kernel (the two token counts share no tier, the modes no kernel).
-    assert out[-1] == "8 points, 30 configs to time, 960 kernel runs (30 timed + 2 per config), 30 kernel variants to compile"
+    assert out[-1] == "8 points, 28 configs to time, 896 kernel runs (30 timed + 2 per config), 28 kernel variants to compile"
 
 
 def fake_compile(fail=()):

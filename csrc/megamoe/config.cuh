@@ -98,6 +98,8 @@ struct KernelConfig {
                 "this kernel implements BLOCK_M 8, 16, 32, 64, and 128 in fast numerics");
   static_assert(!kRebalanceRegisters || kProducerRegisters * 128 + kMathRegisters * kNumMathThreads <= 65536,
                 "register rebalancing over the SM's register file");
+  static_assert(!kRebalanceRegisters || (!kL2TrailsL1 && !kExactL1 && !kFp8SwapAB),
+                "a rebalanced tier's GEMM waits must all unwind (gemm.cuh gemm_wait): only mma_tile's do");
   static_assert(kNumExperts % kNumRanks == 0, "E must be a multiple of R");
   static_assert(kNumStages >= 2, "need at least two pipeline stages");
   static_assert(kScratchInts * 4 <= kNumStages * kStageBytes, "dispatch scratch does not fit");

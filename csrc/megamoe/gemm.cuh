@@ -90,23 +90,40 @@ __device__ __forceinline__ void tma_load_2d(void* smem, const CUtensorMap* tmap,
   cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, smem, tmap, crd, bar);
 }
 
-// Claims the next stage for one k-block (A + B bytes expected on its full barrier).
+// A pipeline wait of the GEMM roles: true once the barrier's phase completed. In a tier that
+// rebalances registers (Cfg::kRebalanceRegisters) it reports a timeout and returns false, for
+// the role to unwind and trap after its registers are back (kernel.cuh gemm_roles): a trap
+// inside the region makes ptxas compile the region at the entry budget (docs/results round 9).
+// Elsewhere it traps where it waits (and the callers' checks fold away).
+template <class Cfg>
+__device__ __forceinline__ bool gemm_wait(const KernelParams& p, uint64_t* bar, uint32_t parity, uint32_t code) {
+  if constexpr (Cfg::kRebalanceRegisters) {
+    return mbar_poll(p, bar, parity, code);
+  } else {
+    mbar_wait(p, bar, parity, code);
+    return true;
+  }
+}
+
+// Claims the next stage for one k-block (A + B bytes expected on its full barrier); null after
+// a timeout (gemm_wait).
 template <class Cfg>
 __device__ __forceinline__ uint64_t* claim_stage(const KernelParams& p, uint64_t* full, uint64_t* empty,
                                                  const PipelineState& ps) {
-  mbar_wait(p, &empty[ps.stage], ps.phase ^ 1, kErrPipelineEmptyTimeout);
+  if (!gemm_wait<Cfg>(p, &empty[ps.stage], ps.phase ^ 1, kErrPipelineEmptyTimeout)) return nullptr;
   uint64_t* bar = &full[ps.stage];
   cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared, bar,
                                        Cfg::kStageA + Cfg::kStageB);
   return bar;
 }
 
-// TMA producer for one GEMM phase, tiles first_tile, first_tile + gridDim.x, ...
+// TMA producer for one GEMM phase, tiles first_tile, first_tile + gridDim.x, ...; false after a
+// pipeline timeout (gemm_wait).
 // A rows come from the pool (expert's rows), B rows from the weights (expert's block).
 // The math warps read the A scales themselves. An L2 tile whose act rows are not ready
 // yet first streams the weights of as many k-blocks as there are stages, then waits.
 template <class Cfg, bool kIsL2>
-__device__ void produce_tiles(const KernelParams& p, uint8_t* base, const TileScheduler<Cfg>& sched, int first_tile,
+__device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileScheduler<Cfg>& sched, int first_tile,
                               const StageView<Cfg>& sv, uint64_t* full, uint64_t* empty, PipelineState& ps) {
   constexpr int kNumKBlocks = kIsL2 ? Cfg::kL2NumKBlocks : Cfg::kL1NumKBlocks;
   constexpr int kRowsPerExpert = kIsL2 ? Cfg::kHidden : 2 * Cfg::kInter;
@@ -140,11 +157,13 @@ __device__ void produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
     }
     for (; kb < kNumKBlocks; ++kb) {
       uint64_t* bar = claim_stage<Cfg>(p, full, empty, ps);
+      if (bar == nullptr) return false;
       tma_load_2d(sv.a(ps.stage), tmap_a, kb * Cfg::kBlockK, row_a, bar);
       tma_load_2d(sv.b(ps.stage), tmap_b, kb * Cfg::kBlockK, row_b, bar);
       ps.advance<Cfg::kNumStages>();
     }
   }
+  return true;
 }
 
 // WGMMA shared-memory descriptor for a K-major tile with 128-byte rows, 128B swizzle:
@@ -211,8 +230,9 @@ __device__ __forceinline__ void for_each_fragment_col(F&& f) {
 // `sfa` points at the tile's first row in an MN-major scale pool ([k-block][pool row]).
 // `weight_scales(kb, block)` gives the scales of the tile's 128-row weight block `block` (0, 1)
 // at k-block kb: .x for even 8-column chunks, .y for odd ones (L1: gate, up; L2: the same).
+// False after a pipeline timeout (gemm_wait).
 template <class Cfg, int kNumKBlocks, class WeightScales>
-__device__ __forceinline__ void mma_tile(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
+__device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                          uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
                                          const float* sfa, float* acc, WeightScales weight_scales) {
   constexpr int kHalves = Cfg::kWgHalves;
@@ -227,7 +247,7 @@ __device__ __forceinline__ void mma_tile(const KernelParams& p, const StageView<
     for (int h = 0; h < kHalves; ++h) sb[h] = weight_scales(kb, Cfg::wg_weight_block(wg, h));
     const float sa0 = __ldcg(sfa + (int64_t)kb * p.pool_capacity + row0 + fc.r0);
     const float sa1 = __ldcg(sfa + (int64_t)kb * p.pool_capacity + row0 + fc.r0 + 8);
-    mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
+    if (!gemm_wait<Cfg>(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout)) return false;
     const uint64_t desc_a = make_smem_desc(sv.a(ps.stage) + row0 * Cfg::kBlockK);
 #pragma unroll
     for (int h = 0; h < kHalves; ++h) {
@@ -257,6 +277,7 @@ __device__ __forceinline__ void mma_tile(const KernelParams& p, const StageView<
     }
     ps.advance<Cfg::kNumStages>();
   }
+  return true;
 }
 
 // Swap-AB main loop of one math warpgroup (L2 with BLOCK_M < 64): the warpgroup's 128 weight rows

@@ -40,8 +40,9 @@
 
 namespace megamoe {
 
+// One GEMM phase of the math warpgroups; false after a pipeline timeout (gemm.cuh gemm_wait).
 template <class Cfg, bool kIsL2>
-__device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
+__device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
                                            int first_tile, const StageView<Cfg>& sv, uint64_t* full,
                                            uint64_t* empty, uint64_t* tok_full, uint64_t* tok_empty,
                                            PipelineState& ps, float* amax_exchange, int& parity) {
@@ -76,7 +77,7 @@ __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base,
         mma_tile_swap<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
         l2_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc);
       } else {
-        mma_tile<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
+        if (!mma_tile<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales)) return false;
         l2_epilogue<Cfg>(p, base, tables, t, wg, fc, acc);
       }
     } else {
@@ -91,33 +92,38 @@ __device__ __forceinline__ void math_phase(const KernelParams& p, uint8_t* base,
         mma_tile_swap<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
         l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
       } else {
-        mma_tile<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
+        if (!mma_tile<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales)) return false;
         l1_epilogue<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
       }
       if constexpr (Cfg::kL2TrailsL1) publish_l1_tile<Cfg>(p, base, tables, t);
       parity ^= 1;
     }
   }
+  return true;
 }
 
 // Runs one GEMM phase's roles: warpgroup 0 `producer_wg()` (its warp 0's elected lane feeds the
-// pipeline; warps 1-3 convert exact L1's tokens), the math warpgroups `math()`. Where the tier
-// needs more registers than a thread starts with (Cfg::kRebalanceRegisters), warpgroup 0 gives
-// registers to the math warpgroups for the phase (setmaxnreg) and both return to the entry
-// count after it: the code all warps run (barriers, dispatch, combine) is compiled at that count,
-// and ptxas allocates each role's region at the budget set inside its own branch.
+// pipeline; warps 1-3 convert exact L1's tokens), the math warpgroups `math()`; each returns
+// false after a pipeline timeout it reported. Where the tier needs more registers than a thread
+// starts with (Cfg::kRebalanceRegisters), warpgroup 0 gives registers to the math warpgroups
+// for the phase (setmaxnreg) and both return to the entry count after it: the code all warps
+// run (barriers, dispatch, combine) is compiled at that count, and ptxas allocates each role's
+// region at the budget set inside its own branch. A role that timed out traps only once its
+// registers are back (gemm.cuh gemm_wait says why).
 template <class Cfg, class ProducerWarpgroup, class Math>
 __device__ __forceinline__ void gemm_roles(ProducerWarpgroup&& producer_wg, Math&& math) {
+  bool ok;
   if (threadIdx.x < 128) {
     if constexpr (Cfg::kRebalanceRegisters) cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegisters>();
-    producer_wg();
+    ok = producer_wg();
     __syncwarp();  // setmaxnreg is warp-aligned: the elected producer lane rejoins its warp first
     if constexpr (Cfg::kRebalanceRegisters) cutlass::arch::warpgroup_reg_alloc<Cfg::kEntryRegisters>();
   } else {
     if constexpr (Cfg::kRebalanceRegisters) cutlass::arch::warpgroup_reg_alloc<Cfg::kMathRegisters>();
-    math();
+    ok = math();
     if constexpr (Cfg::kRebalanceRegisters) cutlass::arch::warpgroup_reg_dealloc<Cfg::kEntryRegisters>();
   }
+  if (!ok) trap_reported();
 }
 
 // The kernel body; the JIT-generated translation unit wraps it in an extern "C"
@@ -186,15 +192,15 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   const TileScheduler<Cfg> l1_sched{tables, Cfg::kL1NumNBlocks}, l2_sched{tables, Cfg::kL2NumNBlocks};
   gemm_roles<Cfg>(
       [&] {
-        if (is_producer) {
-          produce_tiles<Cfg, false>(p, base, l1_sched, blockIdx.x, sv, full, empty, ps);
-        } else if (threadIdx.x >= 32) {
-          if constexpr (Cfg::kExactL1) convert_l1_tokens<Cfg>(p, l1_sched, sv, full, tok_full, tok_empty);
+        if (is_producer) return produce_tiles<Cfg, false>(p, base, l1_sched, blockIdx.x, sv, full, empty, ps);
+        if constexpr (Cfg::kExactL1) {
+          if (threadIdx.x >= 32) convert_l1_tokens<Cfg>(p, l1_sched, sv, full, tok_full, tok_empty);
         }
+        return true;
       },
       [&] {
-        math_phase<Cfg, false>(p, base, tables, blockIdx.x, sv, full, empty, tok_full, tok_empty, ps, amax_exchange,
-                               parity);
+        return math_phase<Cfg, false>(p, base, tables, blockIdx.x, sv, full, empty, tok_full, tok_empty, ps,
+                                      amax_exchange, parity);
       });
   if constexpr (!Cfg::kL2TrailsL1) {
     fence_generic_to_async();  // act rows, written with plain stores, are read by TMA next
@@ -203,12 +209,10 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   if (p.stop_after_phase == 5) return;  // the caller zeroes l1_done and the send counters (tools/phase_times.py)
   const int l2_first = (blockIdx.x + gridDim.x - l1_sched.num_tiles() % gridDim.x) % gridDim.x;
   gemm_roles<Cfg>(
+      [&] { return !is_producer || produce_tiles<Cfg, true>(p, base, l2_sched, l2_first, sv, full, empty, ps); },
       [&] {
-        if (is_producer) produce_tiles<Cfg, true>(p, base, l2_sched, l2_first, sv, full, empty, ps);
-      },
-      [&] {
-        math_phase<Cfg, true>(p, base, tables, l2_first, sv, full, empty, tok_full, tok_empty, ps, amax_exchange,
-                              parity);
+        return math_phase<Cfg, true>(p, base, tables, l2_first, sv, full, empty, tok_full, tok_empty, ps,
+                                     amax_exchange, parity);
       });
   __threadfence_system();
   rank_sync<Cfg::kNumRanks>(p, signals, rounds_before + 2);

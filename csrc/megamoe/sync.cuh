@@ -21,30 +21,49 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// Records which wait failed, on which rank, in which kernel variant (HostWords::error), then
-// traps: the host names all three even when nobody synchronizes (a CUDA graph replay).
-[[noreturn]] __device__ __noinline__ void fail(const KernelParams& p, uint32_t code) {
+// Records which wait failed, on which rank, in which kernel variant (HostWords::error): the
+// host names all three even when nobody synchronizes (a CUDA graph replay). The first wins.
+__device__ __forceinline__ void report_failure(const KernelParams& p, uint32_t code) {
   const uint32_t word = code | static_cast<uint32_t>(p.rank) << kErrorRankShift | p.kernel_tag << kErrorTagShift;
   atomicCAS_system(&p.host->error, 0u, word);
   __threadfence_system();
+}
+
+// Ends the kernel after a failure was reported (the trap kills the CUDA context).
+[[noreturn]] __device__ __noinline__ void trap_reported() {
   __trap();
   __builtin_unreachable();
 }
 
-// Polls `done()` until it is true; fails with `code` after `timeout_scale` timeouts.
-// A wait that depends on another bounded wait gets the larger scale, so the wait that
-// is really stuck reports first (e.g. CTAs held at a grid barrier while CTA 0 waits
-// for a missing peer report the peer, not the grid barrier).
+[[noreturn]] __device__ __noinline__ void fail(const KernelParams& p, uint32_t code) {
+  report_failure(p, code);
+  trap_reported();
+}
+
+// Polls `done()` until it is true; after `timeout_scale` timeouts reports `code` and returns
+// false. A wait that depends on another bounded wait gets the larger scale, so the wait that
+// is really stuck reports first (e.g. CTAs held at a grid barrier while CTA 0 waits for a
+// missing peer report the peer, not the grid barrier).
 template <typename Done>
-__device__ __forceinline__ void bounded_wait(const KernelParams& p, uint32_t code, Done done,
+__device__ __forceinline__ bool poll_bounded(const KernelParams& p, uint32_t code, Done done,
                                              uint32_t timeout_scale = 1) {
-  if (done()) return;
+  if (done()) return true;
   const uint64_t start = global_timer_ns();
   const uint64_t limit = p.timeout_ns * timeout_scale;
   for (uint32_t i = 1;; ++i) {
-    if (done()) return;
-    if ((i & 255) == 0 && global_timer_ns() - start > limit) fail(p, code);
+    if (done()) return true;
+    if ((i & 255) == 0 && global_timer_ns() - start > limit) {
+      report_failure(p, code);
+      return false;
+    }
   }
+}
+
+// poll_bounded that traps on a timeout.
+template <typename Done>
+__device__ __forceinline__ void bounded_wait(const KernelParams& p, uint32_t code, Done done,
+                                             uint32_t timeout_scale = 1) {
+  if (!poll_bounded(p, code, done, timeout_scale)) trap_reported();
 }
 
 __device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
@@ -152,6 +171,11 @@ __device__ __forceinline__ uint32_t rank_rounds_done(const uint32_t* signals) { 
 // mbarrier helpers (CTA scope, shared memory).
 __device__ __forceinline__ void mbar_wait(const KernelParams& p, uint64_t* bar, uint32_t parity, uint32_t code) {
   bounded_wait(p, code, [&] { return cuda::ptx::mbarrier_try_wait_parity(bar, parity); });
+}
+
+// mbar_wait that reports a timeout and returns false (warp-uniformly) instead of trapping.
+__device__ __forceinline__ bool mbar_poll(const KernelParams& p, uint64_t* bar, uint32_t parity, uint32_t code) {
+  return __all_sync(__activemask(), poll_bounded(p, code, [&] { return cuda::ptx::mbarrier_try_wait_parity(bar, parity); }));
 }
 
 __device__ __forceinline__ void named_barrier_sync(int id, int num_threads) {

@@ -43,10 +43,16 @@ def _e2e_shape():
     return TableShape(num_local_experts=128, hidden=2048, intermediate_size=768, num_topk=8)
 
 
-# Shapes for the forced swap-AB tiers (tests/gpu/test_swap_tiers.py): H an odd multiple
+# Shapes for the forced tiers (tests/gpu/test_forced_tiers.py): H an odd multiple
 # of 128, the e2e model's shape, and a large H with few tokens.
-SWAP_TIERS = (8, 16, 32)
-SWAP_SHAPES = [
+def _forced_tiers():
+    from megamoe_plugin.heuristics import NUMERICS_MODES, implemented_block_m
+
+    return [(numerics, block_m) for numerics in NUMERICS_MODES for block_m in implemented_block_m(numerics)]
+
+
+FORCED_TIERS = _forced_tiers()
+FORCED_TIER_SHAPES = [
     Shape(384, 256, 4, 4, 50),
     Shape(2048, 768, 8, 128, 64),
     Shape(7168, 2048, 8, 32, 24),
@@ -54,7 +60,7 @@ SWAP_SHAPES = [
 
 
 def call_variants(num_ranks, num_experts, topk, hidden, inter, max_tokens, num_sms, fast_maths=(True, False),
-                  forced_block_m=None):
+                  forced_block_m=None, numerics_modes=None):
     """Every variant a call with 0..max_tokens tokens per rank can select on an H200, in both
     numerics modes (ops.select_variant: the shipped table, else the heuristic; MEGAMOE_BLOCK_M
     = forced_block_m)."""
@@ -65,7 +71,7 @@ def call_variants(num_ranks, num_experts, topk, hidden, inter, max_tokens, num_s
     shape = BufferShape(num_ranks, num_experts, max_tokens, topk, hidden, inter)
     return list(dict.fromkeys(
         variant_for(shape, "NVIDIA H200", num_sms, n, fast_math, numerics, forced_block_m)
-        for n in range(max_tokens + 1) for fast_math in fast_maths for numerics in NUMERICS_MODES))
+        for n in range(max_tokens + 1) for fast_math in fast_maths for numerics in numerics_modes or NUMERICS_MODES))
 
 
 def variants():
@@ -90,10 +96,10 @@ def variants():
                              (True,))
     for hidden, inter, topk in ((7168, 2048, 8), (4096, 2048, 6)):
         out += call_variants(2, 64, topk, hidden, inter, 8192, 132, (True,))
-    for s in SWAP_SHAPES:
-        for block_m in SWAP_TIERS:
+    for s in FORCED_TIER_SHAPES:
+        for numerics, block_m in FORCED_TIERS:
             out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132,
-                                 forced_block_m=block_m)
+                                 forced_block_m=block_m, numerics_modes=(numerics,))
     for s in SHAPES:
         out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132)
     out += call_variants(2, 8, 2, 384, 256, 16, 132 // 2, (True,))  # tests/gpu/test_timeout.py
