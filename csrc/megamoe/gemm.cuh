@@ -157,7 +157,9 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
     }
     for (; kb < kNumKBlocks; ++kb) {
       uint64_t* bar = claim_stage<Cfg>(p, full, empty, ps);
-      if (bar == nullptr) return false;
+      if constexpr (Cfg::kRebalanceRegisters) {  // elsewhere claim_stage trapped already
+        if (bar == nullptr) return false;
+      }
       tma_load_2d(sv.a(ps.stage), tmap_a, kb * Cfg::kBlockK, row_a, bar);
       tma_load_2d(sv.b(ps.stage), tmap_b, kb * Cfg::kBlockK, row_b, bar);
       ps.advance<Cfg::kNumStages>();

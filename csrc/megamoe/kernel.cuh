@@ -123,7 +123,9 @@ __device__ __forceinline__ void gemm_roles(ProducerWarpgroup&& producer_wg, Math
     ok = math();
     if constexpr (Cfg::kRebalanceRegisters) cutlass::arch::warpgroup_reg_dealloc<Cfg::kEntryRegisters>();
   }
-  if (!ok) trap_reported();
+  if constexpr (Cfg::kRebalanceRegisters) {  // elsewhere gemm_wait trapped already
+    if (!ok) trap_reported();
+  }
 }
 
 // The kernel body; the JIT-generated translation unit wraps it in an extern "C"
@@ -207,11 +209,13 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
     grid_sync(p, signals);
   }
   if (p.stop_after_phase == 5) return;  // the caller zeroes l1_done and the send counters (tools/phase_times.py)
-  const int l2_first = (blockIdx.x + gridDim.x - l1_sched.num_tiles() % gridDim.x) % gridDim.x;
+  // Each role computes where its L2 tiles start itself: a value computed here would live across
+  // the register-rebalanced regions, and ptxas spills such values at the region boundaries.
+  const auto l2_first = [&] { return (blockIdx.x + gridDim.x - l1_sched.num_tiles() % gridDim.x) % gridDim.x; };
   gemm_roles<Cfg>(
-      [&] { return !is_producer || produce_tiles<Cfg, true>(p, base, l2_sched, l2_first, sv, full, empty, ps); },
+      [&] { return !is_producer || produce_tiles<Cfg, true>(p, base, l2_sched, l2_first(), sv, full, empty, ps); },
       [&] {
-        return math_phase<Cfg, true>(p, base, tables, l2_first, sv, full, empty, tok_full, tok_empty, ps,
+        return math_phase<Cfg, true>(p, base, tables, l2_first(), sv, full, empty, tok_full, tok_empty, ps,
                                      amax_exchange, parity);
       });
   __threadfence_system();

@@ -40,30 +40,35 @@ __device__ __forceinline__ void report_failure(const KernelParams& p, uint32_t c
   trap_reported();
 }
 
-// Polls `done()` until it is true; after `timeout_scale` timeouts reports `code` and returns
-// false. A wait that depends on another bounded wait gets the larger scale, so the wait that
-// is really stuck reports first (e.g. CTAs held at a grid barrier while CTA 0 waits for a
-// missing peer report the peer, not the grid barrier).
+// Polls `done()` until it is true (returns false) or `timeout_scale` timeouts have passed
+// (returns true). A wait that depends on another bounded wait gets the larger scale, so the
+// wait that is really stuck reports first (e.g. CTAs held at a grid barrier while CTA 0 waits
+// for a missing peer report the peer, not the grid barrier).
 template <typename Done>
-__device__ __forceinline__ bool poll_bounded(const KernelParams& p, uint32_t code, Done done,
-                                             uint32_t timeout_scale = 1) {
-  if (done()) return true;
+__device__ __forceinline__ bool timed_out_waiting(const KernelParams& p, Done done, uint32_t timeout_scale) {
+  if (done()) return false;
   const uint64_t start = global_timer_ns();
   const uint64_t limit = p.timeout_ns * timeout_scale;
   for (uint32_t i = 1;; ++i) {
-    if (done()) return true;
-    if ((i & 255) == 0 && global_timer_ns() - start > limit) {
-      report_failure(p, code);
-      return false;
-    }
+    if (done()) return false;
+    if ((i & 255) == 0 && global_timer_ns() - start > limit) return true;
   }
 }
 
-// poll_bounded that traps on a timeout.
+// Waits for `done()`; on a timeout fails with `code` (reports, traps).
 template <typename Done>
 __device__ __forceinline__ void bounded_wait(const KernelParams& p, uint32_t code, Done done,
                                              uint32_t timeout_scale = 1) {
-  if (!poll_bounded(p, code, done, timeout_scale)) trap_reported();
+  if (timed_out_waiting(p, done, timeout_scale)) fail(p, code);
+}
+
+// Waits for `done()`; on a timeout reports `code` and returns false (no trap).
+template <typename Done>
+__device__ __forceinline__ bool poll_bounded(const KernelParams& p, uint32_t code, Done done,
+                                             uint32_t timeout_scale = 1) {
+  if (!timed_out_waiting(p, done, timeout_scale)) return true;
+  report_failure(p, code);
+  return false;
 }
 
 __device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
