@@ -1,17 +1,16 @@
 """Built-in launch heuristics for the fused MoE kernel: tile tier, pipeline depth, grid.
 
 These functions decide a `KernelConfig` when no tuned table entry exists
-(`configs.lookup_config` falls back to `default_config`) and generate the shipped
-tables, so a table built from them reproduces exactly what a run without a table
-would do. They are plain Python (no torch), so the op layer, the JIT cache key and
-the table tooling can use them anywhere.
+(`configs.lookup_config` falls back to `default_config`), and give the tuning sweep
+(`megamoe_plugin.tune`) its candidates. They are plain Python (no torch), so the op
+layer, the JIT cache key and the table tooling can use them anywhere.
 
-The shared-memory model mirrors the kernel (DESIGN.md section 4): one persistent CTA
-per SM with a TMA pipeline whose stage holds an A tile (BLOCK_M x BLOCK_K fp8), a B
-tile (BLOCK_N x BLOCK_K fp8), BLOCK_M float32 activation scales and the stage's
-full/empty mbarriers, each stage padded to 1024 bytes (the 128-byte TMA swizzle
-needs 1024-byte aligned tiles). If the kernel's layout changes, `smem_bytes` must
-change with it, or configs that do not fit will be launched.
+The shared-memory model mirrors the kernel (csrc/megamoe/config.cuh; docs/design.md): one
+persistent CTA per SM with a TMA pipeline whose stage holds an A tile (BLOCK_M x BLOCK_K
+fp8) and a B tile (BLOCK_N x BLOCK_K fp8), each stage padded to 1024 bytes (the 128-byte
+TMA swizzle needs 1024-byte aligned tiles), plus a fixed part (mbarriers, the amax
+exchange, the expert tables, and in exact numerics the FP16 token buffers). The
+JIT-generated source static_asserts that `smem_bytes` equals the kernel's own count.
 """
 from __future__ import annotations
 
@@ -100,7 +99,8 @@ def select_block_m(expected_tokens: float, supported: Optional[Sequence[int]] = 
     Decode sends a handful of rows per expert: a 128-row tile would be mostly padding,
     wasting MMA work and A-tile bandwidth, so small tiles win there; prefill sends
     hundreds of rows and large tiles halve the B (weight) reloads per row. Preferred
-    tier: 32 up to 16 rows, 64 up to 64 rows, 128 above. When the preferred tier is
+    tier (_TIER_UPPER_BOUNDS): 8 up to 4 rows, 16 up to 8, 32 up to 24, 64 up to 64,
+    128 above. When the preferred tier is
     not implemented (`supported`, default SUPPORTED_BLOCK_M) the nearest implemented
     one in log2 distance is used, the larger on a tie (fewer tiles, and the kernel
     pads rows anyway). The result never decreases as expected_tokens grows.

@@ -118,7 +118,8 @@ def fp8_tensor_core_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_s
     GEMMs (fast accumulation off) per 128-wide k-block, block scales applied in float32.
     CUDA only. FP8 tensor cores accumulate with reduced precision, so this differs from
     the exact GEMM by up to ~1e-3 relative (docs/results), enough to flip about 1% of the
-    requantized FP8 codes; why the kernel's L1 runs on FP16 tensor cores (tools/).
+    requantized FP8 codes: the second reference of numerics="fast" (output_errors), whose
+    kernel L1 computes the same way.
     k_chunk < 128 sums each k-block from float32 partial GEMMs of k_chunk columns (the
     accumulator promoted to float32 more often; tools/l1_promotion_interval.py)."""
     rows = x.shape[0]

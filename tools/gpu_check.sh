@@ -51,7 +51,8 @@ fi
 if [ "${SANITIZER:-0}" != 0 ]; then
   for numerics in ${SANITIZER_NUMERICS:-fast exact}; do
   for tool in memcheck racecheck; do
-    for bm in ${SANITIZER_TIERS:-8 16 32 64}; do  # the sanitizer slows the kernel far past the default wait bound
+    tiers=$(python3 -c "from megamoe_plugin.heuristics import implemented_block_m; print(*implemented_block_m('$numerics'))")
+    for bm in ${SANITIZER_TIERS:-$tiers}; do  # the sanitizer slows the kernel far past the default wait bound
       log="$OUT/sanitizer_${numerics}_${tool}_bm$bm.txt"
       MEGAMOE_NUMERICS=$numerics MEGAMOE_BLOCK_M=$bm MEGAMOE_TIMEOUT_S=300 timeout "${SANITIZER_TIMEOUT:-300}" \
           compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/debug_phases.py 384 256 4 4 16 --phases 0 \
