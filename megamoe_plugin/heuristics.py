@@ -54,6 +54,11 @@ def implemented_block_m(numerics: str) -> tuple:
     return _EXACT_BLOCK_M if check_numerics(numerics) == "exact" else IMPLEMENTED_BLOCK_M
 
 
+# BLOCK_M 128's math warpgroups run in a register-rebalanced region where a call out of line
+# (fast_math=False's IEEE divisions call a slow path) makes ptxas spill: that tier needs fast_math.
+REBALANCED_BLOCK_M = 128
+
+
 def supported_block_m(numerics: str) -> tuple:
     """The tiers the heuristic picks from in this numerics mode."""
     return tuple(t for t in SUPPORTED_BLOCK_M if t in implemented_block_m(numerics))

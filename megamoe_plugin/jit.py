@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Union
 
 from .buffer import SIGNAL_WORDS
-from .heuristics import DEFAULT_NUMERICS, implemented_block_m
+from .heuristics import DEFAULT_NUMERICS, REBALANCED_BLOCK_M, implemented_block_m
 from .paths import CSRC_DIR
 
 KERNEL_NAME = "megamoe_fused_kernel"
@@ -51,6 +51,8 @@ class KernelVariant:
         if self.block_m not in implemented_block_m(self.numerics):
             raise ValueError(f"block_m={self.block_m} is not implemented in {self.numerics!r} numerics "
                              f"(tiers {implemented_block_m(self.numerics)})")
+        if self.block_m == REBALANCED_BLOCK_M and not self.fast_math:
+            raise ValueError(f"block_m={self.block_m} needs fast_math=True (heuristics.REBALANCED_BLOCK_M)")
 
     def source(self) -> str:
         cpp_bool = {True: "true", False: "false"}
@@ -255,8 +257,10 @@ def reference_variants() -> List[KernelVariant]:
     """Every variant the heuristics pick for DESIGN.md section 8's reference configs, in both
     numerics modes, and each tier a mode implements that they pick for none of its token counts,
     once per reference shape on one rank (MEGAMOE_BLOCK_M, tuned tables)."""
+    from . import ops
+    from .buffer import BufferShape
     from .configs import REFERENCE_SHAPES, REFERENCE_TOKENS_PER_RANK
-    from .heuristics import NUMERICS_MODES, default_config, default_num_stages
+    from .heuristics import NUMERICS_MODES, default_num_stages
 
     variants = []
     for shape, numerics in itertools.product(REFERENCE_SHAPES.values(), NUMERICS_MODES):
@@ -265,10 +269,9 @@ def reference_variants() -> List[KernelVariant]:
         for num_ranks in (1, 2):
             num_experts = num_local_experts * num_ranks
             for tokens in REFERENCE_TOKENS_PER_RANK:
-                cfg = default_config(num_ranks, num_experts, topk, hidden, inter, tokens, 132, numerics)
-                for fast_math in (True, False):
-                    v = KernelVariant(hidden, inter, topk, num_experts, num_ranks, cfg.block_m, cfg.num_stages,
-                                      fast_math, numerics)
+                for fast_math in (True, False):  # "no GPU" has no table: the heuristic's pick
+                    v = ops.variant_for(BufferShape(num_ranks, num_experts, tokens, topk, hidden, inter),
+                                        "no GPU", 132, tokens, fast_math, numerics)
                     if v not in variants:
                         variants.append(v)
         picked = {v.block_m for v in variants if (v.hidden, v.intermediate_size, v.num_topk, v.num_experts,

@@ -120,11 +120,15 @@ def test_forced_block_m_names_the_variable(monkeypatch, value):
 
 
 def test_forced_block_m_128_is_refused_in_exact_numerics(monkeypatch):
-    from megamoe_plugin import ops
+    from megamoe_plugin import jit, ops
     from megamoe_plugin.buffer import BufferShape
 
     shape = BufferShape(1, 32, 512, 6, 4096, 2048)
     assert ops.variant_for(shape, "NVIDIA H200", 132, 512, True, "fast", forced_block_m=128).block_m == 128
+    # fast_math=False's IEEE divisions would call out of the register-rebalanced region: 64 runs it.
+    assert ops.variant_for(shape, "NVIDIA H200", 132, 512, False, "fast", forced_block_m=128).block_m == 64
+    with pytest.raises(ValueError, match="needs fast_math=True"):
+        jit.KernelVariant(4096, 2048, 6, 32, 1, 128, 4, False, "fast")
     with pytest.raises(ValueError, match=r"MEGAMOE_BLOCK_M=128 is not implemented in 'exact' numerics"):
         ops.variant_for(shape, "NVIDIA H200", 132, 512, True, "exact", forced_block_m=128)
 
