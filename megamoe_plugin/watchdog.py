@@ -69,8 +69,9 @@ class Watchdog:
                 logger.error("%s", self._describe_error(word))
         total = self._read_bad_expert_ids()
         if total != self.bad_expert_ids_reported:
-            new, self.bad_expert_ids_reported = total - self.bad_expert_ids_reported, total
-            logger.error("%s", self._describe_bad_expert_ids(new))
+            # Logged before the count moves: who sees the count caught up sees the line too.
+            logger.error("%s", self._describe_bad_expert_ids(total - self.bad_expert_ids_reported))
+            self.bad_expert_ids_reported = total
 
     def _run(self) -> None:
         # After a failure the context is gone and no kernel can run again: nothing more to watch.
