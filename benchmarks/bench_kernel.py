@@ -1,4 +1,4 @@
-"""Kernel benchmark against the floors of DESIGN.md section 8, on one GPU or on R GPUs.
+"""Kernel benchmark against the floors of docs/design.md section 8, on one GPU or on R GPUs.
 
 For each reference config (32 local experts per rank) and token count per rank: kernel
 device time (median of --iters calls, L2 flushed and ranks aligned by a barrier before
@@ -21,7 +21,7 @@ from megamoe_plugin.configs import REFERENCE_SHAPES
 from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer
 from megamoe_plugin.timing import l2_flusher, median_call_seconds, timed_seconds
 
-# DESIGN.md section 8's reference configs, (H, I, K); every one has 32 local experts per rank.
+# docs/design.md section 8's reference configs, (H, I, K); every one has 32 local experts per rank.
 CONFIGS = {name: (s.hidden, s.intermediate_size, s.num_topk) for name, s in REFERENCE_SHAPES.items()}
 LOCAL_EXPERTS = 32
 assert all(s.num_local_experts == LOCAL_EXPERTS for s in REFERENCE_SHAPES.values())
@@ -106,7 +106,7 @@ def main():
     parser.add_argument("--no-fast-math", dest="fast_math", action="store_false",
                         help="call with fast_math=False (exact SwiGLU math)")
     parser.add_argument("--numerics", default="fast,exact",
-                        help="comma-separated numerics modes to time (DESIGN.md section 2): fast, exact")
+                        help="comma-separated numerics modes to time (docs/design.md section 2): fast, exact")
     args = parser.parse_args()
     tokens_list = [int(t) for t in args.tokens.split(",")]
     rank, num_ranks, group = init_world()

@@ -1,6 +1,6 @@
 """One MoE layer through vLLM's own Triton FP8 MoE and through megamoe_sm90, on the same
 BF16 hidden states, routing and block-FP8 weights: how far each is from the float32
-reference of DESIGN.md section 2 and from each other, and how long each takes beside
+reference of docs/design.md section 2 and from each other, and how long each takes beside
 the floor. Needs vllm (on the GPU machine: the tools/e2e bundle, see tools/e2e/README.md).
 
 Default shape: the e2e model's MoE layer (H 2048, I 768, 128 experts, top-8, one GPU).

@@ -1,6 +1,6 @@
 """megamoe_plugin: a fused expert-parallel FP8 MoE ("MegaMoE") for NVIDIA Hopper.
 
-Public API (DESIGN.md section 3):
+Public API (docs/design.md section 3):
     get_symm_buffer, get_symm_buffer_size, transform_weights, fp8_mega_moe, stage_inputs,
     reference.mega_moe
 Importing the package needs neither a GPU, nor nvcc, nor vllm.

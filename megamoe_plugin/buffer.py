@@ -48,7 +48,7 @@ SIGNAL_WORDS = {
     "rank_barrier": 2,       # arrivals of all ranks at this rank's cross-rank barrier, mod 2^32
     "rank_barrier_done": 3,  # cross-rank barriers completed, mod 2^32 (rank_barrier = done * R)
 }
-# Section 2 limits of DESIGN.md.
+# Section 2 limits of docs/design.md.
 MAX_TOPK = 16
 MAX_LOCAL_EXPERTS = 512
 SUPPORTED_NUM_RANKS = (1, 2, 4, 8)

@@ -13,11 +13,11 @@ torch.cuda.get_device_name() reports, e.g. configs/NVIDIA_H200.json) holds:
 
 Shapes are per rank (local experts), because per-rank work with E/R local experts is
 the same at any EP width. Entry keys are expected tokens per expert
-(tokens * R * K / E, DESIGN.md section 5), the quantity the best config depends on.
+(tokens * R * K / E, docs/design.md section 5), the quantity the best config depends on.
 An entry may omit block_m or num_stages; the heuristic fills the gap at the entry's
 own token count, so every entry is checked against shared memory once, at load.
 
-A table with "numerics" serves calls in that mode (DESIGN.md section 2); one without
+A table with "numerics" serves calls in that mode (docs/design.md section 2); one without
 serves both, so a shape may have one table per mode and one for both, the mode's own
 winning. "us" is the measured median time of the entry's config and "runner_up" the
 second fastest config measured (`python -m megamoe_plugin.tune` writes both, so a table
@@ -388,7 +388,7 @@ def lookup_config(gpu_name: str, num_ranks: int, num_experts: int, num_topk: int
                    _dir_key(configs_dir), check_numerics(numerics))
 
 
-# DESIGN.md section 8: per-rank shapes of real models with 32 local experts, and the
+# docs/design.md section 8: per-rank shapes of real models with 32 local experts, and the
 # token counts per rank the benchmarks measure; tables use R = 1, E = 32.
 REFERENCE_SHAPES = {
     "v3": TableShape(num_local_experts=32, hidden=7168, intermediate_size=2048, num_topk=8),

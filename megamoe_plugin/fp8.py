@@ -1,6 +1,6 @@
 """FP8 e4m3 quantization helpers shared by the reference, the tests and the op layer.
 
-These are the exact formulas of DESIGN.md section 2, written once so that every piece
+These are the exact formulas of docs/design.md section 2, written once so that every piece
 of the project that quantizes (activation staging, the reference's requant step, test
 data generation) rounds the same way:
 

@@ -37,7 +37,7 @@ _EXACT_BLOCK_M = (8, 16, 32, 64)  # exact L1 (FP16 tensor cores) has no BLOCK_M 
 # above 64 rows is the prediction of halving the weight traffic per token, for the sweep to check.
 _TIER_UPPER_BOUNDS = ((4.0, 8), (8.0, 16), (24.0, 32), (64.0, 64))
 
-# DESIGN.md section 2's two numerics modes: "fast" runs L1 on FP8 tensor cores (the default),
+# docs/design.md section 2's two numerics modes: "fast" runs L1 on FP8 tensor cores (the default),
 # "exact" on FP16 tensor cores over the exact FP8 values (csrc/megamoe/config.cuh kExactL1).
 NUMERICS_MODES = ("fast", "exact")
 DEFAULT_NUMERICS = "fast"

@@ -6,7 +6,7 @@ Several ranks may compile the same variant at once: each compiles into its own t
 directory and atomically renames the cubin into place.
 
 `python -m megamoe_plugin.jit --check` compiles every variant the heuristics can pick
-for the reference configs of DESIGN.md section 8 (no GPU needed) and prints registers,
+for the reference configs of docs/design.md section 8 (no GPU needed) and prints registers,
 spills, stack frame and shared memory; it exits non-zero on a spill or compile error.
 """
 from __future__ import annotations
@@ -254,7 +254,7 @@ def check_variants(variants: List[KernelVariant]) -> int:
 
 
 def reference_variants() -> List[KernelVariant]:
-    """Every variant the heuristics pick for DESIGN.md section 8's reference configs, in both
+    """Every variant the heuristics pick for docs/design.md section 8's reference configs, in both
     numerics modes, and each tier a mode implements that they pick for none of its token counts,
     once per reference shape on one rank (MEGAMOE_BLOCK_M, tuned tables)."""
     from . import ops

@@ -180,7 +180,7 @@ def _unpack_pair(pair, name: str) -> WeightPair:
 
 
 def resolve_numerics(numerics: Optional[str]) -> str:
-    """The call's numerics mode (DESIGN.md section 2): the argument, else MEGAMOE_NUMERICS,
+    """The call's numerics mode (docs/design.md section 2): the argument, else MEGAMOE_NUMERICS,
     else "fast"."""
     from .heuristics import DEFAULT_NUMERICS, NUMERICS_MODES
 
@@ -195,7 +195,7 @@ def resolve_numerics(numerics: Optional[str]) -> str:
 
 def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats,
                   config_num_tokens=None) -> None:
-    """Every check of a call, before anything is launched (DESIGN.md section 3)."""
+    """Every check of a call, before anything is launched (docs/design.md section 3)."""
     if not isinstance(buf, SymmBuffer):
         raise TypeError(f"buf must be a SymmBuffer from get_symm_buffer, got {type(buf).__name__}")
     if buf.closed:
@@ -433,7 +433,7 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
                  cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                  config_num_tokens: Optional[int] = None, numerics: Optional[str] = None,
                  _stop_after_phase: int = 0) -> torch.Tensor:
-    """The fused MoE of DESIGN.md section 2 for this rank's first y.shape[0] tokens,
+    """The fused MoE of docs/design.md section 2 for this rank's first y.shape[0] tokens,
     whose inputs the caller wrote into buf.x / x_sf / topk_idx / topk_weights.
     Every rank of the buffer's group calls it each step (also with 0 tokens). Writes y.
     topk_idx values must lie in [-1, E) (-1: empty slot); the kernel drops and counts any
@@ -443,7 +443,7 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     `config_num_tokens` is the token count the kernel variant is chosen by (default
     y.shape[0]); pass a value equal on every rank (vLLM: the DP-padded batch size).
     `numerics` is "fast" (L1 on FP8 tensor cores) or "exact" (L1 on FP16 tensor cores,
-    float32-faithful and batch-invariant), DESIGN.md section 2; None reads MEGAMOE_NUMERICS
+    float32-faithful and batch-invariant), docs/design.md section 2; None reads MEGAMOE_NUMERICS
     (default "fast"). Every rank must pass the same mode.
     `_stop_after_phase` is for phase-by-phase kernel debugging (csrc/megamoe/kernel.cuh
     numbers the phases); a stopped call leaves the send counters for the caller to zero."""

@@ -1,4 +1,4 @@
-"""The float32 reference of the MegaMoE operation (DESIGN.md section 2) and the
+"""The float32 reference of the MegaMoE operation (docs/design.md section 2) and the
 accuracy check every kernel test uses.
 
 `mega_moe` runs all R ranks of an expert-parallel layer in one process. It is the
@@ -133,7 +133,7 @@ def _validate(ranks, weights, num_experts, activation_clamp, requant_group) -> T
 def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[str, torch.Tensor]],
              num_experts: int, activation_clamp: Optional[float] = None, requant_group: int = 128,
              return_intermediates: bool = False, l1_gemm: Optional[Callable] = None):
-    """Float32 reference of DESIGN.md section 2 for R = len(ranks) ranks in one process.
+    """Float32 reference of docs/design.md section 2 for R = len(ranks) ranks in one process.
 
     ranks[r]:   {x fp8 [T_r, H], x_sf f32 [T_r, H/128], topk_idx i64 [T_r, K] in [-1, E),
                  topk_weights f32 [T_r, K]}
@@ -212,7 +212,7 @@ def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[st
     return (ys, intermediates) if return_intermediates else ys
 
 
-# DESIGN.md section 2's bounds per numerics mode, (calc_diff, every token's relative L2 error),
+# docs/design.md section 2's bounds per numerics mode, (calc_diff, every token's relative L2 error),
 # against the exact reference. Fast mode has a second check at full strictness, against the
 # reference whose L1 is FP8 tensor cores per 128-K block (testing.fp8_tensor_core_l1): it is
 # what catches a wrong scale, a missing K block or a race in an FP8 L1.

@@ -140,7 +140,7 @@ def fp8_tensor_core_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_s
 
 def reference_outputs(inputs: List[Dict[str, torch.Tensor]], layers: List[Layer], num_experts: int,
                       activation_clamp: Optional[float] = None, l1_gemm=None) -> List[torch.Tensor]:
-    """The exact reference (DESIGN.md section 2) for these ranks' inputs; with
+    """The exact reference (docs/design.md section 2) for these ranks' inputs; with
     l1_gemm=fp8_tensor_core_l1, the one whose L1 is computed by FP8 tensor cores."""
     from . import reference
 
@@ -151,7 +151,7 @@ def reference_outputs(inputs: List[Dict[str, torch.Tensor]], layers: List[Layer]
 
 def output_errors(ys: List[torch.Tensor], inputs: List[Dict[str, torch.Tensor]], layers: List[Layer],
                   num_experts: int, numerics: str, activation_clamp: Optional[float] = None) -> List[Optional[str]]:
-    """Each rank's output against DESIGN.md section 2 for `numerics`: None where it passes,
+    """Each rank's output against docs/design.md section 2 for `numerics`: None where it passes,
     else what failed. Exact mode: the exact reference at NUMERICS_BOUNDS["exact"]. Fast mode:
     the exact reference at NUMERICS_BOUNDS["fast"], and the FP8-tensor-core reference at
     FAST_VS_FP8_TENSOR_CORE_BOUNDS (CUDA only)."""

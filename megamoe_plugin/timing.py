@@ -1,5 +1,5 @@
 """How the project times the kernel: device time between CUDA events, median of single
-calls, L2 flushed before each (DESIGN.md section 8). The benchmarks, tools/phase_times.py
+calls, L2 flushed before each (docs/design.md section 8). The benchmarks, tools/phase_times.py
 and the tuning sweep (`megamoe_plugin.tune`) all measure through these, so their numbers
 compare.
 """

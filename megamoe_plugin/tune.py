@@ -66,7 +66,7 @@ from .heuristics import (
 from .jit import KernelVariant, compile_variants
 from .progress import progress_bar
 
-# The shapes the sweep knows by name: DESIGN.md section 8's reference configs and the
+# The shapes the sweep knows by name: docs/design.md section 8's reference configs and the
 # tools/e2e model's MoE layer (Qwen3-30B-A3B: qwen30's H/I/top-k with all 128 experts on
 # one rank, as benchmarks/bench_vs_vllm.py and tests/gpu/test_vllm_shaped.py run it).
 SHAPES: Mapping[str, TableShape] = {
@@ -419,7 +419,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=_int_list(1), default=REFERENCE_TOKENS_PER_RANK,
                         help="tokens per rank to tune at (default: %(default)s)")
     parser.add_argument("--numerics", type=_modes, default=NUMERICS_MODES,
-                        help="numerics modes to tune, a table each (DESIGN.md section 2; default: %(default)s)")
+                        help="numerics modes to tune, a table each (docs/design.md section 2; default: %(default)s)")
     parser.add_argument("--tiers", type=_int_list(1, IMPLEMENTED_BLOCK_M),
                         help="BLOCK_M tiers to time at every token count (default: the heuristic's and its neighbours)")
     parser.add_argument("--stages", type=_int_list(MIN_STAGES),

@@ -1,6 +1,6 @@
 """Expert weights: the checkpoint layout, its validation, and the SM90 kernel layout.
 
-Checkpoint layout (vLLM FP8 128x128 block quantization, DESIGN.md section 2), per rank:
+Checkpoint layout (vLLM FP8 128x128 block quantization, docs/design.md section 2), per rank:
     w13       float8_e4m3fn [E_l, 2I, H]         rows: I gate rows, then I up rows
     w13_scale float32       [E_l, 2I/128, H/128]
     w2        float8_e4m3fn [E_l, H, I]

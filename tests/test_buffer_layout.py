@@ -1,4 +1,4 @@
-"""The symmetric buffer's regions hold every routing DESIGN.md section 2 allows: the pool
+"""The symmetric buffer's regions hold every routing docs/design.md section 2 allows: the pool
 rows of the worst case, and one L1 arrival counter (l1_done) per m-block of the pool."""
 import itertools
 

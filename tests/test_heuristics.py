@@ -1,4 +1,4 @@
-"""Invariants of the launch heuristics over the shape limits of DESIGN.md section 2."""
+"""Invariants of the launch heuristics over the shape limits of docs/design.md section 2."""
 import itertools
 import math
 import random

@@ -135,7 +135,7 @@ class Oracle:
 
 
 def naive_mega_moe(ranks, weights, num_experts, clamp, group) -> Oracle:
-    """DESIGN.md section 2 one (rank, token, slot) at a time, in float64."""
+    """docs/design.md section 2 one (rank, token, slot) at a time, in float64."""
     num_local = num_experts // len(ranks)
     records, ambiguous, ys = {}, 0, []
     for rank, inputs in enumerate(ranks):

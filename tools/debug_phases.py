@@ -1,5 +1,5 @@
 """Runs the kernel phase by phase on one small case and checks each phase's output
-against the reference's intermediates (DESIGN.md section 2 steps).
+against the reference's intermediates (docs/design.md section 2 steps).
 
     python3 tools/debug_phases.py [H I K E N] [--phases 2,4,5,6,0]
 """

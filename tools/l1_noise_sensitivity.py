@@ -1,4 +1,4 @@
-"""How precise must the L1 GEMM be for the per-token 1e-2 bound of DESIGN.md section 2?
+"""How precise must the L1 GEMM be for the per-token 1e-2 bound of docs/design.md section 2?
 Runs the reference with its L1 output perturbed by Gaussian noise of relative size eps
 (relative to each row's largest output) and reports the error of y against the exact
 reference. CPU is enough.

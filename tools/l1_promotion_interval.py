@@ -1,5 +1,5 @@
 """Does promoting the FP8 tensor-core accumulator to float32 more often than once per
-128-wide k-block bring every token within DESIGN.md section 2's 1e-2 bound of the exact
+128-wide k-block bring every token within docs/design.md section 2's 1e-2 bound of the exact
 reference? Emulates the kernel's L1 with cuBLAS FP8 GEMMs of k_chunk columns summed in
 float32 (testing.fp8_tensor_core_l1) and reports the error of y against the exact
 reference per k_chunk. Needs a GPU.

@@ -1,4 +1,4 @@
-"""Per-token error of the kernel against DESIGN.md section 2's references, at token counts
+"""Per-token error of the kernel against docs/design.md section 2's references, at token counts
 larger than the tests use, to see the tail of the distribution the bounds cut: for each
 numerics mode against the exact reference, and for "fast" also against the reference whose
 L1 is FP8 tensor cores (testing.fp8_tensor_core_l1). --tiers forces tile tiers

@@ -1,7 +1,7 @@
 """Soak: many calls on one buffer, as a server makes them (issue: serving for days).
 
 Random token counts from 0 to the buffer's maximum on every call, no host sync between
-calls; every --check-every-th call is checked against DESIGN.md section 2 for its numerics
+calls; every --check-every-th call is checked against docs/design.md section 2 for its numerics
 mode (testing.check_outputs, NaN-poisoned output), on fresh inputs. Prints progress, the
 calls per second of the unchecked stretches, and every failed check (it goes on after one, so
 a rare tolerance miss is counted, not hidden); exits non-zero if any check failed.

@@ -1,5 +1,5 @@
 // Combine: after every rank has scattered its L2 rows, each token's valid slots are
-// summed in float32 in ascending slot order and rounded once to BF16 (DESIGN.md s.2).
+// summed in float32 in ascending slot order and rounded once to BF16 (docs/design.md s.2).
 // A warp sums one token's slots over a run of 256-column stripes (each lane owns 8
 // consecutive columns per stripe). With few tokens a token's stripes are split over
 // several warps: each stripe is a dependent round trip to memory, so one warp walking

@@ -17,7 +17,7 @@ struct KernelConfig {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kNumStages = kNumStages_;
   static constexpr bool kFastMath = kFastMath_;
-  // numerics="exact" (DESIGN.md s.2): L1 on FP16 tensor cores over the exact FP8 values
+  // numerics="exact" (docs/design.md s.2): L1 on FP16 tensor cores over the exact FP8 values
   // (gemm.cuh mma_tile_l1). Otherwise ("fast") L1 runs on FP8 tensor cores like L2, promoted
   // into float32 every 128 K.
   static constexpr bool kExactL1 = kExactL1_;
@@ -61,7 +61,8 @@ struct KernelConfig {
   static constexpr int kL1NumKBlocks = kHidden / kBlockK;
   static constexpr int kL2NumKBlocks = kInter / kBlockK;
 
-  // Threads: warpgroup 0 = TMA producer (warp 0) + idle in GEMM phases; 1-2 = math.
+  // Threads: warpgroup 0 = TMA producer (warp 0) and, in exact L1, token converters (warps 1-3) in
+  // the GEMM phases; warpgroups 1-2 = math.
   static constexpr int kNumThreads = 384;
   static constexpr int kNumWarps = kNumThreads / 32;
   static constexpr int kNumMathThreads = 256;

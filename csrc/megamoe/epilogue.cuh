@@ -138,7 +138,7 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
 
 // L2 (BLOCK_M 64 and 128, gemm.cuh mma_tile): per row, the quad's lanes hold 2 columns of each
 // 8-column chunk; a quad transpose gives each lane whole chunks, stored as 16-byte vectors
-// (DESIGN.md s.4: 128-bit NVLink scatter beat 32-bit stores by 8-14% at large M). Lane q
+// (docs/design.md s.4: 128-bit NVLink scatter beat 32-bit stores by 8-14% at large M). Lane q
 // stores chunks 4g + q. Half h of the warpgroup covers hidden columns 128 b + [0, 128) of the
 // tile, b = Cfg::wg_weight_block(wg, h).
 template <class Cfg>

@@ -282,7 +282,7 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
   return true;
 }
 
-// Swap-AB main loop of one math warpgroup (L2 with BLOCK_M < 64): the warpgroup's 128 weight rows
+// Swap-AB main loop of one math warpgroup (FP8 GEMMs below BLOCK_M 64: L2, and L1 in fast numerics): the warpgroup's 128 weight rows
 // are two m64 sub-tiles on the WGMMA M side, the tile's BLOCK_M pool rows (tokens) the N
 // side. acc[kSwapSubTiles][BLOCK_M / 2], fragment of sub-tile i: acc[i][4c + {0,1}] =
 // weight row 64i + r0, tokens 8c + 2q + {0,1}; acc[i][4c + {2,3}] = weight row 64i + r0 + 8.
@@ -334,7 +334,7 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
 // L1 on FP16 tensor cores. Every e4m3 value is exact in FP16 and FP16 WGMMA accumulates in
 // float32, so h = a @ B13^T comes out float32-grade; FP8 WGMMA's reduced-precision
 // accumulation flips about 1% of the requantized act codes and puts ~1% of tokens past the
-// per-token bound of DESIGN.md section 2 (docs/results). Layout is swap-AB for every tier:
+// per-token bound of docs/design.md section 2 (docs/results). Layout is swap-AB for every tier:
 // the weights are the WGMMA A operand, converted from the FP8 stage straight into registers
 // (ldmatrix + cvt, no shared-memory copy of the big operand), the BLOCK_M tokens the N side,
 // converted once per k-block into an FP16 tile both math warpgroups read (convert_l1_tokens).

@@ -5,7 +5,7 @@
 // Barriers used by the kernel:
 //   grid_sync          all CTAs of this rank (persistent grid, one CTA per SM, all resident)
 //   rank_sync          all CTAs of all ranks (grid_sync + one CTA signalling every peer)
-//   mbarrier full/empty TMA pipeline, see pipeline.cuh
+//   mbarrier full/empty TMA pipeline, see gemm.cuh
 //   named barrier 1    the two math warpgroups' epilogue exchange (epilogue.cuh)
 #pragma once
 
@@ -95,7 +95,7 @@ __device__ __forceinline__ void red_add_release_sys(uint32_t* ptr, uint32_t v) {
   asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
 
-// Every counter that lives across calls is wrap-safe by construction (DESIGN.md s.4: a
+// Every counter that lives across calls is wrap-safe by construction (docs/design.md s.4: a
 // server calls the kernel billions of times):
 //   - the grid barrier's arrival count resets itself (atom.inc wraps to 0 at the grid size),
 //     so it is 0 between barriers whatever the history; its waiters watch a generation word

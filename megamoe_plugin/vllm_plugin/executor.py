@@ -183,7 +183,7 @@ def warmup_token_counts(max_tokens: int, capture_sizes: Optional[Sequence[int]])
 
 def vllm_numerics() -> Optional[str]:
     """The kernel's numerics mode in vLLM: "exact" (bitwise batch-invariant) under
-    VLLM_BATCH_INVARIANT=1, else None (MEGAMOE_NUMERICS, default "fast"; DESIGN.md section 2)."""
+    VLLM_BATCH_INVARIANT=1, else None (MEGAMOE_NUMERICS, default "fast"; docs/design.md section 2)."""
     return "exact" if os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0") else None
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from typing import Dict, List, Optional, Tuple
 
-# DESIGN.md section 2 limits (the buffer module is the source of truth).
+# docs/design.md section 2 limits (the buffer module is the source of truth).
 from ..buffer import MAX_LOCAL_EXPERTS, MAX_TOPK, SUPPORTED_NUM_RANKS
 from . import BACKEND
 

@@ -1,7 +1,7 @@
 """What the one-GPU kernel tests share (test_kernel.py, test_forced_tiers.py): seeded
 generators, a layer and buffer per shape, a NaN-poisoned timed call, and the sequence
 of calls with changing token counts, routings, clamp and fast_math on one buffer, each
-judged by DESIGN.md section 2's checks for its numerics mode (testing.check_outputs)."""
+judged by docs/design.md section 2's checks for its numerics mode (testing.check_outputs)."""
 import itertools
 import math
 

@@ -1,4 +1,4 @@
-"""Batch invariance (DESIGN.md section 2): in "exact" mode a token's output row is bitwise
+"""Batch invariance (docs/design.md section 2): in "exact" mode a token's output row is bitwise
 independent of the other tokens of the call: how many there are, their order, their routing,
 and the tile tier the call's size picks. "fast" mode is measured and reported, not required."""
 import math

@@ -2,7 +2,7 @@
 
 Run on an H200: `python -m pytest -q -s tests/gpu`. Every output is poisoned with NaN
 before the call so unwritten rows fail; inputs are fresh random draws per case.
-Every test runs in both numerics modes, held to DESIGN.md section 2's checks for the mode.
+Every test runs in both numerics modes, held to docs/design.md section 2's checks for the mode.
 """
 import math
 

@@ -1,6 +1,6 @@
 """Fixtures for the vLLM plugin tests (CPU machine, real vllm package).
 
-vLLM is pointed at its CPU platform (VLLM_TARGET_DEVICE=cpu, DESIGN.md section 6) before
+vLLM is pointed at its CPU platform (VLLM_TARGET_DEVICE=cpu, docs/design.md section 6) before
 anything imports it; the whole directory is skipped when vllm is not installed.
 NOTE: this directory must stay without an __init__.py: as a package named `vllm` it
 would shadow the real one.

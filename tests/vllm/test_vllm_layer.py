@@ -3,7 +3,7 @@ process_weights_after_loading (kernel layout, no second copy), and the forward p
 
 The forward runs the float32 reference in place of the GPU kernel, selected explicitly
 (executor "reference"), and is checked against a direct torch computation of the MoE
-written here from the contract (DESIGN.md section 2), sharing no code with the plugin.
+written here from the contract (docs/design.md section 2), sharing no code with the plugin.
 The kernel executor's glue (buffer per shape, staging, warm-up, the op call with the
 kernel-layout parameters) runs with the GPU op replaced by a recording stand-in.
 """
@@ -62,7 +62,7 @@ def make_checkpoint(num_experts=NUM_EXPERTS, hidden=HIDDEN, inter=INTERMEDIATE, 
 
 
 def torch_moe(x, router_logits, experts, top_k, activation_clamp=None):
-    """The MoE of DESIGN.md section 2 with softmax top-k routing (renormalized), in torch."""
+    """The MoE of docs/design.md section 2 with softmax top-k routing (renormalized), in torch."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
