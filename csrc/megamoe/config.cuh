@@ -18,16 +18,16 @@ struct KernelConfig {
   static constexpr int kNumStages = kNumStages_;
   static constexpr bool kFastMath = kFastMath_;
   // numerics="exact" (docs/design.md s.2): L1 on FP16 tensor cores over the exact FP8 values
-  // (gemm.cuh mma_tile_l1). Otherwise ("fast") L1 runs on FP8 tensor cores like L2, promoted
+  // (exact_l1.cuh mma_tile_l1). Otherwise ("fast") L1 runs on FP8 tensor cores like L2, promoted
   // into float32 every 128 K.
   static constexpr bool kExactL1 = kExactL1_;
 
   // A GEMM tile is BLOCK_M pool rows x 256 weight rows x 128 (K). Exact L1 is always swap-AB on
   // FP16 tensor cores (weight rows on the WGMMA M side as two m64 sub-tiles per warpgroup,
   // warpgroup w taking weight rows [128w, 128w + 128), pool rows the N side, m64nBLOCK_Mk16;
-  // gemm.cuh mma_tile_l1). FP8 GEMMs (L2, and L1 in fast mode): BLOCK_M 8/16/32 (decode tiers)
+  // exact_l1.cuh mma_tile_l1). FP8 GEMMs (L2, and L1 in fast mode): BLOCK_M 8/16/32 (decode tiers)
   // swap-AB the same way (m64nBLOCK_Mk32), so a tile with a few tokens does not pay for 64 rows
-  // of MMA; BLOCK_M 64 and 128 with pool rows on the M side (m64n128k32, gemm.cuh mma_tile).
+  // of MMA; BLOCK_M 64 and 128 with pool rows on the M side (m64n128k32, mma.cuh mma_tile).
   static constexpr bool kFp8SwapAB = kBlockM < 64;
   // BLOCK_M 128 (fast numerics only): cooperative, math warpgroup w takes rows [64w, 64w + 64)
   // and all 256 weight rows as two halves that share its token operand, so each weight tile
@@ -100,7 +100,7 @@ struct KernelConfig {
   static_assert(!kRebalanceRegisters || kProducerRegisters * 128 + kMathRegisters * kNumMathThreads <= 65536,
                 "register rebalancing over the SM's register file");
   static_assert(!kRebalanceRegisters || (!kL2TrailsL1 && !kExactL1 && !kFp8SwapAB),
-                "a rebalanced tier's GEMM waits must all unwind (gemm.cuh gemm_wait): only mma_tile's do");
+                "a rebalanced tier's GEMM waits must all unwind (pipeline.cuh gemm_wait): only mma_tile's do");
   static_assert(kNumExperts % kNumRanks == 0, "E must be a multiple of R");
   static_assert(kNumStages >= 2, "need at least two pipeline stages");
   static_assert(kScratchInts * 4 <= kNumStages * kStageBytes, "dispatch scratch does not fit");

@@ -14,8 +14,10 @@
 #include <cuda_fp8.h>
 
 #include "config.cuh"
-#include "gemm.cuh"
+#include "mma.cuh"
 #include "params.h"
+#include "roles.cuh"
+#include "scheduler.cuh"
 #include "sync.cuh"
 
 namespace megamoe {
@@ -31,7 +33,7 @@ __device__ __forceinline__ float silu(float x) {
 }
 
 // After the L1 epilogue: publish the tile's act rows to the L2 tiles of its m-block
-// (gemm.cuh l1_done). Each math thread's stores are fenced for the readers' TMA and at
+// (scheduler.cuh l1_done). Each math thread's stores are fenced for the readers' TMA and at
 // GPU scope, then one release arrival once both warpgroups are done.
 template <class Cfg>
 __device__ __forceinline__ void publish_l1_tile(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
@@ -39,7 +41,7 @@ __device__ __forceinline__ void publish_l1_tile(const KernelParams& p, uint8_t* 
   fence_generic_to_async();
   __threadfence();
   named_barrier_sync(kEpilogueBarrierId, Cfg::kNumMathThreads);
-  if (threadIdx.x == Cfg::kNumThreads - Cfg::kNumMathThreads)
+  if (Role::first_math_thread())
     red_add_release_gpu(reinterpret_cast<int*>(base + p.off.l1_done) + global_m_block<Cfg>(tables, t), 1);
 }
 
@@ -48,7 +50,7 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-// Fast L1 at BLOCK_M 64 and 128 (gemm.cuh mma_tile): a warpgroup's half h holds m64n128
+// Fast L1 at BLOCK_M 64 and 128 (mma.cuh mma_tile): a warpgroup's half h holds m64n128
 // accumulators (acc + 64h) of pool rows row0 + r0 and row0 + r0 + 8, weight rows in 8-wide
 // chunks that alternate gate (even chunk 2j) and up (odd chunk 2j + 1) of output
 // 64 b + 8 j + 2 q + {0, 1}, b the half's weight block (Cfg::wg_weight_block). A row's amax
@@ -136,7 +138,7 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
   for (int j = 0; j < 4; ++j) w[j] = out[j];
 }
 
-// L2 (BLOCK_M 64 and 128, gemm.cuh mma_tile): per row, the quad's lanes hold 2 columns of each
+// L2 (BLOCK_M 64 and 128, mma.cuh mma_tile): per row, the quad's lanes hold 2 columns of each
 // 8-column chunk; a quad transpose gives each lane whole chunks, stored as 16-byte vectors
 // (docs/design.md s.4: 128-bit NVLink scatter beat 32-bit stores by 8-14% at large M). Lane q
 // stores chunks 4g + q. Half h of the warpgroup covers hidden columns 128 b + [0, 128) of the
@@ -176,7 +178,7 @@ __device__ __forceinline__ void l2_epilogue(const KernelParams& p, uint8_t* base
   }
 }
 
-// Swap-AB epilogues (L1: exact mode, gemm.cuh mma_tile_l1, and fast mode below BLOCK_M 64,
+// Swap-AB epilogues (L1: exact mode, exact_l1.cuh mma_tile_l1, and fast mode below BLOCK_M 64,
 // mma_tile_swap; L2: BLOCK_M 8/16/32, mma_tile_swap): a thread holds weight rows
 // 64i + r0 and 64i + r0 + 8 of its warpgroup's 128 for tokens 8c + 2q + {0,1}.
 //
@@ -193,7 +195,7 @@ __device__ __forceinline__ void l1_epilogue_swap(const KernelParams& p, uint8_t*
   const int valid_rows = tables.exp_count[t.expert] - t.m_block * kN;
   const float* pool_weight = reinterpret_cast<const float*>(base + p.off.pool_weight);
   const float clamp = p.activation_clamp;
-  const int lane = threadIdx.x % 32, math_warp = (threadIdx.x - 128) / 32;
+  const int lane = threadIdx.x % 32, math_warp = Role::math_warp();
 
   float act[kSub][kChunks][2];
   float amax[kChunks][2];

@@ -1,14 +1,10 @@
 // The fused SM90 MegaMoE kernel: one persistent CTA per SM, 384 threads.
 //
-// Roles (warp -> role):
-//   warps 0-3  (warpgroup 0)  dispatch / combine worker; warp 0's elected lane is the
-//                             TMA producer during the GEMM phases; in exact L1 warps 1-3
-//                             convert each stage's tokens to FP16 once (gemm.cuh convert_l1_tokens)
-//   warps 4-7  (warpgroup 1)  math: WGMMA on weight rows [0, 128) of each 256-row tile, epilogues
-//   warps 8-11 (warpgroup 2)  math: weight rows [128, 256)
-//   (BLOCK_M 128: warpgroup 1 takes the tile's pool rows [0, 64), warpgroup 2 rows [64, 128), each
-//   all 256 weight rows, with registers moved from warpgroup 0 for the GEMM phases; config.cuh)
-//   All warps take part in dispatch, pull and combine.
+// Roles (roles.cuh names them): warpgroup 0 is the producer warpgroup (warp 0's elected lane
+// issues the TMA loads; in exact L1 warps 1-3 convert tokens to FP16), warpgroups 1-2 the math
+// warpgroups: warpgroup w takes weight rows [128w, 128w + 128) of each 256-row tile (BLOCK_M 128:
+// pool rows [64w, 64w + 64) and all 256 weight rows, with registers moved from warpgroup 0 for
+// the GEMM phases; config.cuh). All warps take part in dispatch, pull and combine.
 //
 // Phases of one call (barrier between each; every wait bounded, see sync.cuh):
 //   1 count     this rank's entries per expert                       -> grid_sync
@@ -20,38 +16,43 @@
 //   6 L2        down GEMM, BF16 rows scattered to the token's rank   -> rank_sync
 //   7 combine   sum each token's slots into y; reset send counters and l1_done
 // At BLOCK_M < 64 L2 tiles trail L1 tiles: an L2 tile waits for the L1 tiles of its m-block
-// only (arrival counters in l1_done, gemm.cuh); the other phases are separated by barriers.
+// only (arrival counters in l1_done, scheduler.cuh); the other phases are separated by barriers.
 //
 // Named barriers: 0 = __syncthreads, 1 = math warpgroups' amax exchange.
 // mbarriers: full[s] / empty[s] per pipeline stage, tok_full[b] / tok_empty[b] per L1 token
-// buffer (gemm.cuh).
+// buffer (exact_l1.cuh).
 #pragma once
 
 #include <cuda/ptx>
+#include <cute/arch/cluster_sm90.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "combine.cuh"
 #include "config.cuh"
 #include "dispatch.cuh"
 #include "epilogue.cuh"
-#include "gemm.cuh"
+#include "exact_l1.cuh"
+#include "mma.cuh"
 #include "params.h"
+#include "pipeline.cuh"
+#include "roles.cuh"
+#include "scheduler.cuh"
 #include "sync.cuh"
 
 namespace megamoe {
 
-// One GEMM phase of the math warpgroups; false after a pipeline timeout (gemm.cuh gemm_wait).
+// One GEMM phase of the math warpgroups; false after a pipeline timeout (pipeline.cuh gemm_wait).
 template <class Cfg, bool kIsL2>
 __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
                                            int first_tile, const StageView<Cfg>& sv, uint64_t* full,
                                            uint64_t* empty, uint64_t* tok_full, uint64_t* tok_empty,
                                            PipelineState& ps, float* amax_exchange, int& parity) {
   const TileScheduler<Cfg> sched{tables, kIsL2 ? Cfg::kL2NumNBlocks : Cfg::kL1NumNBlocks};
-  const int wg = (threadIdx.x - 128) / 128;
-  const FragCoord fc = FragCoord::of(threadIdx.x % 128);
+  const int wg = Role::math_warpgroup();
+  const FragCoord fc = FragCoord::of(Role::thread_in_warpgroup());
   float acc[Cfg::kAccFloats];
   const int num_tiles = sched.num_tiles();
-  PipelineState tok;  // L1's token buffers (gemm.cuh convert_l1_tokens)
+  PipelineState tok;  // L1's token buffers (exact_l1.cuh convert_l1_tokens)
   const float* sf_pool = reinterpret_cast<const float*>(base + (kIsL2 ? p.off.act_sf : p.off.pool_sf));
   const int* l1_done = reinterpret_cast<const int*>(base + p.off.l1_done);
   for (int tile = first_tile; tile < num_tiles; tile += gridDim.x) {
@@ -109,11 +110,11 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
 // for the phase (setmaxnreg) and both return to the entry count after it: the code all warps
 // run (barriers, dispatch, combine) is compiled at that count, and ptxas allocates each role's
 // region at the budget set inside its own branch. A role that timed out traps only once its
-// registers are back (gemm.cuh gemm_wait says why).
+// registers are back (pipeline.cuh gemm_wait says why).
 template <class Cfg, class ProducerWarpgroup, class Math>
 __device__ __forceinline__ void gemm_roles(ProducerWarpgroup&& producer_wg, Math&& math) {
   bool ok;
-  if (threadIdx.x < 128) {
+  if (threadIdx.x < Role::kProducerWarpgroupThreads) {
     if constexpr (Cfg::kRebalanceRegisters) cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegisters>();
     ok = producer_wg();
     __syncwarp();  // setmaxnreg is warp-aligned: the elected producer lane rejoins its warp first
@@ -132,6 +133,7 @@ __device__ __forceinline__ void gemm_roles(ProducerWarpgroup&& producer_wg, Math
 // __global__ entry with __launch_bounds__(Cfg::kNumThreads, 1) (see jit.py).
 template <class Cfg>
 __device__ __forceinline__ void mega_moe(const KernelParams& p) {
+  static_assert(Cfg::kNumThreads == Role::kProducerWarpgroupThreads + Cfg::kNumMathThreads, "roles.cuh");
   // 128B-swizzled TMA tiles need 1024-byte alignment; the launch adds 1 KiB of slack.
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
@@ -156,7 +158,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
       cuda::ptx::mbarrier_init(&empty[s], Cfg::kNumMathThreads / 32);
     }
     for (int b = 0; b < 2; ++b) {
-      cuda::ptx::mbarrier_init(&tok_full[b], kNumTokenConverterThreads);
+      cuda::ptx::mbarrier_init(&tok_full[b], Role::kNumConverterThreads);
       cuda::ptx::mbarrier_init(&tok_empty[b], Cfg::kNumMathThreads);
     }
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
@@ -186,17 +188,17 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   // 5-6: GEMMs: the L1 tiles, then the L2 tiles, dealt round-robin as one sequence (L2
   // starts where L1 ended). Producer and math warpgroups walk the same tiles, so one
   // pipeline state per role carries over. An L2 tile waits for the L1 tiles of its own
-  // m-block (gemm.cuh l1_done); at BLOCK_M < 64 that is all (Cfg::kL2TrailsL1), so a CTA
+  // m-block (scheduler.cuh l1_done); at BLOCK_M < 64 that is all (Cfg::kL2TrailsL1), so a CTA
   // that ends its L1 share early starts on L2 tiles; at BLOCK_M 64 and 128 a grid barrier comes first.
   PipelineState ps;
   int parity = 0;
-  const bool is_producer = threadIdx.x < 32 && cute::elect_one_sync();
+  const bool is_producer = Role::producer_warp() && cute::elect_one_sync();
   const TileScheduler<Cfg> l1_sched{tables, Cfg::kL1NumNBlocks}, l2_sched{tables, Cfg::kL2NumNBlocks};
   gemm_roles<Cfg>(
       [&] {
         if (is_producer) return produce_tiles<Cfg, false>(p, base, l1_sched, blockIdx.x, sv, full, empty, ps);
         if constexpr (Cfg::kExactL1) {
-          if (threadIdx.x >= 32) convert_l1_tokens<Cfg>(p, l1_sched, sv, full, tok_full, tok_empty);
+          if (Role::converter()) convert_l1_tokens<Cfg>(p, l1_sched, sv, full, tok_full, tok_empty);
         }
         return true;
       },

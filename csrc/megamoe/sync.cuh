@@ -5,7 +5,7 @@
 // Barriers used by the kernel:
 //   grid_sync          all CTAs of this rank (persistent grid, one CTA per SM, all resident)
 //   rank_sync          all CTAs of all ranks (grid_sync + one CTA signalling every peer)
-//   mbarrier full/empty TMA pipeline, see gemm.cuh
+//   mbarrier full/empty TMA pipeline, see pipeline.cuh
 //   named barrier 1    the two math warpgroups' epilogue exchange (epilogue.cuh)
 #pragma once
 

@@ -1,0 +1,109 @@
+// The TMA pipeline of the GEMM phases: stage views of shared memory, and the producer (one
+// elected thread of warp 0) that fills the stage ring with a tile's A (pool rows) and B (weight
+// rows) k-blocks. Barriers: full[s] (1 producer arrival + TMA bytes), empty[s] (one arrival per
+// math warp; exact L1 also tok_full / tok_empty, exact_l1.cuh).
+#pragma once
+
+#include <cuda/ptx>
+
+#include "config.cuh"
+#include "params.h"
+#include "scheduler.cuh"
+#include "sync.cuh"
+
+namespace megamoe {
+
+// Shared-memory views of one pipeline stage.
+template <class Cfg>
+struct StageView {
+  uint8_t* stages;
+  uint8_t* staging;  // L1 token tiles in FP16, [2 k-block parities] (Cfg::kSmemStaging)
+  float* l1_token_scales;  // [2 k-block parities][BLOCK_M]: their token scales (Cfg::kSmemTokenScales)
+  __device__ uint8_t* a(int s) const { return stages + s * Cfg::kStageBytes; }
+  __device__ uint8_t* b(int s) const { return a(s) + Cfg::kStageA; }
+};
+
+__device__ __forceinline__ void tma_load_2d(void* smem, const CUtensorMap* tmap, int x, int y, uint64_t* bar) {
+  const int32_t crd[2] = {x, y};
+  cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, smem, tmap, crd, bar);
+}
+
+// A pipeline wait of the GEMM roles: true once the barrier's phase completed. In a tier that
+// rebalances registers (Cfg::kRebalanceRegisters) it reports a timeout and returns false, for
+// the role to unwind and trap after its registers are back (kernel.cuh gemm_roles): a trap
+// inside the region makes ptxas compile the region at the entry budget (docs/results round 9).
+// Elsewhere it traps where it waits (and the callers' checks fold away).
+template <class Cfg>
+__device__ __forceinline__ bool gemm_wait(const KernelParams& p, uint64_t* bar, uint32_t parity, uint32_t code) {
+  if constexpr (Cfg::kRebalanceRegisters) {
+    return mbar_poll(p, bar, parity, code);
+  } else {
+    mbar_wait(p, bar, parity, code);
+    return true;
+  }
+}
+
+// Claims the next stage for one k-block (A + B bytes expected on its full barrier); null after
+// a timeout (gemm_wait).
+template <class Cfg>
+__device__ __forceinline__ uint64_t* claim_stage(const KernelParams& p, uint64_t* full, uint64_t* empty,
+                                                 const PipelineState& ps) {
+  if (!gemm_wait<Cfg>(p, &empty[ps.stage], ps.phase ^ 1, kErrPipelineEmptyTimeout)) return nullptr;
+  uint64_t* bar = &full[ps.stage];
+  cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared, bar,
+                                       Cfg::kStageA + Cfg::kStageB);
+  return bar;
+}
+
+// TMA producer for one GEMM phase, tiles first_tile, first_tile + gridDim.x, ...; false after a
+// pipeline timeout (gemm_wait).
+// A rows come from the pool (expert's rows), B rows from the weights (expert's block).
+// The math warps read the A scales themselves. An L2 tile whose act rows are not ready
+// yet first streams the weights of as many k-blocks as there are stages, then waits.
+template <class Cfg, bool kIsL2>
+__device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileScheduler<Cfg>& sched, int first_tile,
+                              const StageView<Cfg>& sv, uint64_t* full, uint64_t* empty, PipelineState& ps) {
+  constexpr int kNumKBlocks = kIsL2 ? Cfg::kL2NumKBlocks : Cfg::kL1NumKBlocks;
+  constexpr int kRowsPerExpert = kIsL2 ? Cfg::kHidden : 2 * Cfg::kInter;
+  constexpr int kPrefetch = kNumKBlocks < Cfg::kNumStages ? kNumKBlocks : Cfg::kNumStages;
+  const CUtensorMap* tmap_a = p.tmaps + (kIsL2 ? kTmapAct : kTmapPoolX);
+  const CUtensorMap* tmap_b = p.tmaps + (kIsL2 ? kTmapW2 : kTmapW13);
+  const int* l1_done = reinterpret_cast<const int*>(base + p.off.l1_done);
+  const int num_tiles = sched.num_tiles();
+  for (int tile = first_tile; tile < num_tiles; tile += gridDim.x) {
+    const Tile t = sched.decode(tile);
+    const int row_a = sched.tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
+    const int row_b = t.expert * kRowsPerExpert + t.n_block * Cfg::kBlockN;
+    int kb = 0;
+    if constexpr (kIsL2 && Cfg::kL2TrailsL1) {
+      const int gm = global_m_block<Cfg>(sched.tables, t);
+      if (!l1_rows_ready<Cfg>(l1_done, gm)) {
+        PipelineState ahead = ps;
+        for (int i = 0; i < kPrefetch; ++i) {
+          tma_load_2d(sv.b(ahead.stage), tmap_b, i * Cfg::kBlockK, row_b, claim_stage<Cfg>(p, full, empty, ahead));
+          ahead.advance<Cfg::kNumStages>();
+        }
+        wait_l1_rows<Cfg>(p, l1_done, gm);
+        fence_generic_to_async();
+        for (; kb < kPrefetch; ++kb) {
+          tma_load_2d(sv.a(ps.stage), tmap_a, kb * Cfg::kBlockK, row_a, &full[ps.stage]);
+          ps.advance<Cfg::kNumStages>();
+        }
+      } else {
+        fence_generic_to_async();
+      }
+    }
+    for (; kb < kNumKBlocks; ++kb) {
+      uint64_t* bar = claim_stage<Cfg>(p, full, empty, ps);
+      if constexpr (Cfg::kRebalanceRegisters) {  // elsewhere claim_stage trapped already
+        if (bar == nullptr) return false;
+      }
+      tma_load_2d(sv.a(ps.stage), tmap_a, kb * Cfg::kBlockK, row_a, bar);
+      tma_load_2d(sv.b(ps.stage), tmap_b, kb * Cfg::kBlockK, row_b, bar);
+      ps.advance<Cfg::kNumStages>();
+    }
+  }
+  return true;
+}
+
+}  // namespace megamoe

@@ -1,0 +1,28 @@
+// The warp roles of the persistent CTA (Cfg::kNumThreads = 384 threads), named once. Every warp
+// takes part in dispatch, pull and combine. In the GEMM phases:
+//   warpgroup 0 (threads 0-127)    the producer warpgroup: warp 0's elected lane issues the TMA
+//                                  loads (pipeline.cuh produce_tiles); in exact L1 warps 1-3
+//                                  convert each stage's tokens to FP16 (exact_l1.cuh
+//                                  convert_l1_tokens); at BLOCK_M 128 it lends its registers to
+//                                  the math warpgroups (kernel.cuh gemm_roles);
+//   warpgroups 1-2 (threads 128-383) the math warpgroups: main loops and epilogues.
+#pragma once
+
+namespace megamoe {
+
+struct Role {
+  static constexpr int kProducerWarpgroupThreads = 128;
+  static constexpr int kNumConverterThreads = 96;  // warps 1-3
+
+  __device__ __forceinline__ static bool producer_warp() { return threadIdx.x < 32; }
+  // In the producer warpgroup: a token converter (any warp but the producer's).
+  __device__ __forceinline__ static bool converter() { return threadIdx.x >= 32; }
+  __device__ __forceinline__ static int converter_thread() { return threadIdx.x - 32; }
+  // Math warpgroups only (unsigned arithmetic: the divisions stay shifts).
+  __device__ __forceinline__ static int math_warpgroup() { return (threadIdx.x - kProducerWarpgroupThreads) / 128; }
+  __device__ __forceinline__ static int math_warp() { return (threadIdx.x - kProducerWarpgroupThreads) / 32; }
+  __device__ __forceinline__ static int thread_in_warpgroup() { return threadIdx.x % 128; }
+  __device__ __forceinline__ static bool first_math_thread() { return threadIdx.x == kProducerWarpgroupThreads; }
+};
+
+}  // namespace megamoe

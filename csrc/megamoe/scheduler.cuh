@@ -1,0 +1,65 @@
+// The GEMM phases' tile schedule: static round-robin of (expert, m-block, n-block) tiles over
+// CTAs, n-major inside an expert so neighbouring CTAs share the weight tile in L2 cache; the
+// pipeline position each role carries from tile to tile; and the l1_done counters by which an L2
+// tile trails its m-block's L1 tiles (BLOCK_M < 64).
+#pragma once
+
+#include "config.cuh"
+#include "dispatch.cuh"
+#include "params.h"
+#include "sync.cuh"
+
+namespace megamoe {
+
+struct PipelineState {
+  int stage = 0;
+  uint32_t phase = 0;
+  template <int kNumStages>
+  __device__ __forceinline__ void advance() {
+    if (++stage == kNumStages) stage = 0, phase ^= 1;
+  }
+};
+
+struct Tile {
+  int expert;  // local expert
+  int m_block;
+  int n_block;
+};
+
+template <class Cfg>
+struct TileScheduler {
+  const ExpertTables& tables;
+  int num_n_blocks;
+  __device__ int num_tiles() const { return tables.mblk_prefix[Cfg::kNumLocalExperts] * num_n_blocks; }
+  __device__ Tile decode(int tile) const {
+    const int gm = tile / num_n_blocks;  // any m-block of the right expert: find the expert
+    const int el = last_le(tables.mblk_prefix, Cfg::kNumLocalExperts, gm);
+    const int first = tables.mblk_prefix[el] * num_n_blocks;
+    const int num_m = tables.mblk_prefix[el + 1] - tables.mblk_prefix[el];
+    const int local = tile - first;
+    return {el, local % num_m, local / num_m};
+  }
+};
+
+// L2 trails L1 without a grid barrier: each L1 tile adds 1 to l1_done[m-block] once its
+// act rows are stored (l1_epilogue), and an L2 tile of that m-block starts when all
+// kL1NumNBlocks have. Tiles are handed out in one round-robin over the L1 then the L2
+// tiles, and no L1 tile waits on anything, so every wait ends.
+template <class Cfg>
+__device__ __forceinline__ int global_m_block(const ExpertTables& tables, const Tile& t) {
+  return tables.mblk_prefix[t.expert] + t.m_block;
+}
+
+template <class Cfg>
+__device__ __forceinline__ bool l1_rows_ready(const int* l1_done, int gm) {
+  return ld_acquire_gpu(l1_done + gm) >= Cfg::kL1NumNBlocks;
+}
+
+// Bounded wait (acquire) for an m-block's L1 rows. Scale 2: a stuck L1 tile's own
+// pipeline wait reports first.
+template <class Cfg>
+__device__ __forceinline__ void wait_l1_rows(const KernelParams& p, const int* l1_done, int gm) {
+  bounded_wait(p, kErrL1RowsTimeout, [&] { return l1_rows_ready<Cfg>(l1_done, gm); }, 2);
+}
+
+}  // namespace megamoe
