@@ -59,6 +59,12 @@ def implemented_block_m(numerics: str) -> tuple:
 REBALANCED_BLOCK_M = 128
 
 
+def runnable_block_m(block_m: int, fast_math: bool) -> int:
+    """The tier a call runs for a chosen `block_m`: fast_math=False calls run 64 instead of the
+    register-rebalanced tier (REBALANCED_BLOCK_M), the largest tier without rebalancing."""
+    return 64 if block_m == REBALANCED_BLOCK_M and not fast_math else block_m
+
+
 def supported_block_m(numerics: str) -> tuple:
     """The tiers the heuristic picks from in this numerics mode."""
     return tuple(t for t in SUPPORTED_BLOCK_M if t in implemented_block_m(numerics))

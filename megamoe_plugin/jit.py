@@ -257,10 +257,8 @@ def reference_variants() -> List[KernelVariant]:
     """Every variant the heuristics pick for docs/design.md section 8's reference configs, in both
     numerics modes, and each tier a mode implements that they pick for none of its token counts,
     once per reference shape on one rank (MEGAMOE_BLOCK_M, tuned tables)."""
-    from . import ops
-    from .buffer import BufferShape
     from .configs import REFERENCE_SHAPES, REFERENCE_TOKENS_PER_RANK
-    from .heuristics import NUMERICS_MODES, default_num_stages
+    from .heuristics import NUMERICS_MODES, default_config, default_num_stages, runnable_block_m
 
     variants = []
     for shape, numerics in itertools.product(REFERENCE_SHAPES.values(), NUMERICS_MODES):
@@ -269,9 +267,13 @@ def reference_variants() -> List[KernelVariant]:
         for num_ranks in (1, 2):
             num_experts = num_local_experts * num_ranks
             for tokens in REFERENCE_TOKENS_PER_RANK:
-                for fast_math in (True, False):  # "no GPU" has no table: the heuristic's pick
-                    v = ops.variant_for(BufferShape(num_ranks, num_experts, tokens, topk, hidden, inter),
-                                        "no GPU", 132, tokens, fast_math, numerics)
+                cfg = default_config(num_ranks, num_experts, topk, hidden, inter, tokens, 132, numerics)
+                for fast_math in (True, False):  # as ops.variant_for picks without a table
+                    block_m = runnable_block_m(cfg.block_m, fast_math)
+                    stages = cfg.num_stages if block_m == cfg.block_m else default_num_stages(
+                        block_m, num_local_experts, hidden, inter, numerics=numerics)
+                    v = KernelVariant(hidden, inter, topk, num_experts, num_ranks, block_m, stages, fast_math,
+                                      numerics)
                     if v not in variants:
                         variants.append(v)
         picked = {v.block_m for v in variants if (v.hidden, v.intermediate_size, v.num_topk, v.num_experts,

@@ -274,17 +274,15 @@ def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math:
     """select_variant without a buffer or a GPU, for a buffer of shape `s` (buffer.BufferShape)
     on `grid_size` SMs of `device_name` (tests/gpu/cases.py precompiles with it)."""
     from .configs import lookup_config
-    from .heuristics import (REBALANCED_BLOCK_M, KernelConfig, default_num_stages, implemented_block_m,
-                             max_pipeline_stages)
+    from .heuristics import (KernelConfig, default_num_stages, implemented_block_m, max_pipeline_stages,
+                             runnable_block_m)
 
     cfg = lookup_config(device_name, s.num_ranks, s.num_experts, s.num_topk, s.hidden, s.intermediate_size,
                         num_tokens, grid_size, numerics=numerics)
     if forced_block_m is not None and forced_block_m not in implemented_block_m(numerics):
         raise ValueError(f"MEGAMOE_BLOCK_M={forced_block_m} is not implemented in {numerics!r} numerics (tiers "
                          f"{implemented_block_m(numerics)})")
-    block_m = forced_block_m if forced_block_m is not None else cfg.block_m
-    if block_m == REBALANCED_BLOCK_M and not fast_math:  # forced or tuned alike
-        block_m = 64  # the largest tier without register rebalancing (heuristics.REBALANCED_BLOCK_M)
+    block_m = runnable_block_m(forced_block_m if forced_block_m is not None else cfg.block_m, fast_math)
     if block_m != cfg.block_m:
         stages = default_num_stages(block_m, s.num_local_experts, s.hidden, s.intermediate_size, numerics=numerics)
         cfg = KernelConfig(block_m=block_m, num_stages=stages, num_sms=cfg.num_sms)
