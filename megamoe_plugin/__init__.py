@@ -3,9 +3,10 @@
 Public API (docs/design.md section 3):
     get_symm_buffer, get_symm_buffer_size, transform_weights, fp8_mega_moe, stage_inputs,
     reference.mega_moe
-Importing the package needs neither a GPU, nor nvcc, nor vllm.
+Importing the package needs neither a GPU, nor nvcc, nor vllm; it registers the torch
+custom op torch.ops.megamoe.fp8_mega_moe (custom_op.py).
 """
-from . import reference
+from . import custom_op, reference
 from .buffer import SymmBuffer, get_symm_buffer, get_symm_buffer_size
 from .ops import fp8_mega_moe
 from .staging import stage_inputs

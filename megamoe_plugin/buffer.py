@@ -27,6 +27,7 @@ POOL_ALIGN_M rows.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -205,6 +206,10 @@ class SymmBuffer:
         self._releasers: List[Callable[[], None]] = []
         self._finalizer = weakref.finalize(self, _run_releasers, self._releasers)
         self._finalizer.atexit = False
+        # An int that names this buffer where a Python object cannot go: the arguments of the
+        # torch custom op (megamoe_plugin/custom_op.py), which resolves it with buffer_of.
+        self.key = next(_buffer_keys)
+        _live_buffers[self.key] = self
 
     def on_close(self, release: Callable[[], None]) -> None:
         """Runs `release()` when the buffer is closed or garbage-collected. It must not refer
@@ -244,6 +249,19 @@ class SymmBuffer:
         return (f"SymmBuffer(rank={self.rank}/{s.num_ranks}, experts={s.num_experts}, "
                 f"max_tokens={s.num_max_tokens_per_rank}, topk={s.num_topk}, hidden={s.hidden}, "
                 f"intermediate={s.intermediate_size}, bytes={self.layout.total_bytes}, device={self.device})")
+
+
+_buffer_keys = itertools.count()
+# Weak: the registry must not keep a buffer (and its GPU memory) alive.
+_live_buffers: "weakref.WeakValueDictionary[int, SymmBuffer]" = weakref.WeakValueDictionary()
+
+
+def buffer_of(key: int) -> SymmBuffer:
+    """The live SymmBuffer whose `key` this is."""
+    buf = _live_buffers.get(key)
+    if buf is None:
+        raise ValueError(f"buffer_key={key} names no live SymmBuffer (it was garbage-collected, or the key is not one)")
+    return buf
 
 
 def _run_releasers(releasers: List[Callable[[], None]]) -> None:

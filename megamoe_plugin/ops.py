@@ -27,6 +27,7 @@ from .heuristics import DEFAULT_NUMERICS
 from .jit import NUM_THREADS, KERNEL_NAME, KernelVariant, compile_variant, compile_variants
 from .progress import progress_bar
 from .watchdog import Watchdog
+from .weights import unpack_pair
 
 WeightPair = Tuple[torch.Tensor, torch.Tensor]
 
@@ -173,12 +174,6 @@ def _check_tensor(t, name: str, dtype: torch.dtype, shape: Tuple[int, ...], devi
         raise ValueError(f"{name} must be contiguous")
 
 
-def _unpack_pair(pair, name: str) -> WeightPair:
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-        raise TypeError(f"{name} must be a (weight, scale) pair from transform_weights, got {type(pair).__name__}")
-    return pair[0], pair[1]
-
-
 def resolve_numerics(numerics: Optional[str]) -> str:
     """The call's numerics mode (docs/design.md section 2): the argument, else MEGAMOE_NUMERICS,
     else "fast"."""
@@ -210,8 +205,8 @@ def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_
         raise ValueError(f"y has {y.shape[0]} tokens, more than the buffer's num_max_tokens_per_rank="
                          f"{s.num_max_tokens_per_rank}")
     _check_tensor(y, "y", torch.bfloat16, (y.shape[0], h), dev)
-    w13, w13_scale = _unpack_pair(l1, "l1")
-    w2, w2_scale = _unpack_pair(l2, "l2")
+    w13, w13_scale = unpack_pair(l1, "l1")
+    w2, w2_scale = unpack_pair(l2, "l2")
     _check_tensor(w13, "l1 weight (w13)", torch.float8_e4m3fn, (el, 2 * i, h), dev)
     _check_tensor(w13_scale, "l1 scale (w13_scale, transformed layout)", torch.float32, (el, i // 128, 2, h // 128), dev)
     _check_tensor(w2, "l2 weight (w2)", torch.float8_e4m3fn, (el, h, i), dev)

@@ -47,7 +47,7 @@ def _arg_name(key: str, where: Optional[str]) -> str:
     return key if where is None else f"{where}[{key!r}]"
 
 
-def _unpack_pair(pair, name: str) -> WeightPair:
+def unpack_pair(pair, name: str) -> WeightPair:
     if not isinstance(pair, Sequence) or len(pair) != 2:
         raise TypeError(f"{name} must be a (weight, scale) pair of tensors, got {type(pair).__name__}")
     return pair[0], pair[1]
@@ -124,8 +124,8 @@ def transform_weights(l1: WeightPair, l2: WeightPair) -> Tuple[WeightPair, Weigh
     l1 = (w13, w13_scale), l2 = (w2, w2_scale); returns ((w13_t, w13_scale_t), (w2_t, w2_scale_t)),
     all contiguous and on the input device.
     """
-    w13, w13_scale = _unpack_pair(l1, "l1")
-    w2, w2_scale = _unpack_pair(l2, "l2")
+    w13, w13_scale = unpack_pair(l1, "l1")
+    w2, w2_scale = unpack_pair(l2, "l2")
     num_local_experts, hidden, intermediate = _validate(w13, w13_scale, w2, w2_scale, transformed=False)
     runs = intermediate // GATE_UP_INTERLEAVE
     # [E, (gate|up), run, 8, H] -> [E, run, (gate|up), 8, H]
@@ -139,8 +139,8 @@ def transform_weights(l1: WeightPair, l2: WeightPair) -> Tuple[WeightPair, Weigh
 
 def untransform_weights(l1: WeightPair, l2: WeightPair) -> Tuple[WeightPair, WeightPair]:
     """Exact inverse of `transform_weights`: SM90 kernel layout -> checkpoint layout."""
-    w13_t, w13_scale_t = _unpack_pair(l1, "l1")
-    w2, w2_scale = _unpack_pair(l2, "l2")
+    w13_t, w13_scale_t = unpack_pair(l1, "l1")
+    w2, w2_scale = unpack_pair(l2, "l2")
     num_local_experts, hidden, intermediate = _validate(w13_t, w13_scale_t, w2, w2_scale, transformed=True)
     runs = intermediate // GATE_UP_INTERLEAVE
     w13 = (w13_t.reshape(num_local_experts, runs, 2, GATE_UP_INTERLEAVE, hidden)

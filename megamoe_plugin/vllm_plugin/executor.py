@@ -230,8 +230,9 @@ def run_kernel(output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torc
     import megamoe_plugin as mm
 
     n = mm.stage_inputs(buf, hidden_states, topk_ids, topk_weights)
-    mm.fp8_mega_moe(output[:n], l1, l2, buf, activation_clamp=activation_clamp, fast_math=True,
-                    config_num_tokens=rank_equal_num_tokens(n), numerics=numerics)
+    # Through the registered op, so that vLLM's torch.compile keeps the layer in one graph.
+    mm.custom_op.fp8_mega_moe(output[:n], l1, l2, buf, activation_clamp=activation_clamp, fast_math=True,
+                              config_num_tokens=rank_equal_num_tokens(n), numerics=numerics)
 
 
 def run_reference(output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,

@@ -333,7 +333,8 @@ def kernel_executor_with_fake_op(monkeypatch):
         calls["warmup"].append((buf, list(counts), numerics, [tuple(l1), tuple(l2)], [list(w) for w in other_layers]))
         return 1
 
-    monkeypatch.setattr(mm, "fp8_mega_moe", fake_op)
+    # The experts call torch.ops.megamoe.fp8_mega_moe, whose eager implementation calls this.
+    monkeypatch.setattr(ops, "fp8_mega_moe", fake_op)
     monkeypatch.setattr(ops, "warmup", fake_warmup)
     previous = executor.set_executor("kernel")
     executor.clear_buffers()
