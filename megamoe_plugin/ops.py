@@ -397,7 +397,7 @@ def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Ite
             variants.append(v)
     progress = progress_bar(len(variants), "megamoe: compiling kernels", "variant")
     missing = [v for v in variants if (buf.device.index, v) not in _kernels]
-    for compiled in compile_variants(missing, on_done=lambda v: progress.update()):
+    for compiled in compile_variants(missing, on_done=lambda v, result: progress.update()):
         if isinstance(compiled, RuntimeError):
             raise compiled
     progress.update(len(variants) - len(missing))

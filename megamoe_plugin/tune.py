@@ -170,7 +170,7 @@ def compile_all(points: Sequence[Point]) -> List[Point]:
     Raises RuntimeError when a point is left without candidates."""
     variants = variants_of(points)
     progress = progress_bar(len(variants), "megamoe tune: compiling", "variant")
-    results = compile_variants(variants, on_done=lambda v: progress.update())
+    results = compile_variants(variants, on_done=lambda v, result: progress.update())
     progress.close()
     failed = set()
     for v, r in zip(variants, results):

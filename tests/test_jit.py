@@ -84,7 +84,8 @@ def test_compile_variants_keeps_order_runs_at_once_and_returns_errors(monkeypatc
     monkeypatch.setattr(jit, "compile_variant", fake_compile)
     monkeypatch.setattr(jit.os, "cpu_count", lambda: 4)
     done = []
-    results = jit.compile_variants(variants, on_done=done.append)
+    results = jit.compile_variants(variants, on_done=lambda v, result: done.append((v, result)))
     assert [r if not isinstance(r, RuntimeError) else "error" for r in results] == [8, "error", 32, 64]
-    assert sorted(v.block_m for v in done) == [8, 16, 32, 64]
+    assert sorted(v.block_m for v, _ in done) == [8, 16, 32, 64]
+    assert all(result is results[variants.index(v)] for v, result in done)
     assert peak[0] > 1

@@ -176,9 +176,10 @@ def test_dry_run_prints_the_candidates_and_the_cost(capsys):
 
 def fake_compile(fail=()):
     def compile_variants(variants, on_done=None):
-        for v in variants:
-            on_done(v)
-        return [RuntimeError(f"nvcc failed for {v.name()}") if v.block_m in fail else object() for v in variants]
+        results = [RuntimeError(f"nvcc failed for {v.name()}") if v.block_m in fail else object() for v in variants]
+        for v, result in zip(variants, results):
+            on_done(v, result)
+        return results
     return compile_variants
 
 

@@ -22,12 +22,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable, List, Optional, Union
 
-from .buffer import SIGNAL_WORDS
-from .heuristics import DEFAULT_NUMERICS, REBALANCED_BLOCK_M, implemented_block_m
-from .paths import CSRC_DIR
+from ..buffer import SIGNAL_WORDS
+from ..heuristics import DEFAULT_NUMERICS, REBALANCED_BLOCK_M, implemented_block_m
+from ..paths import CSRC_DIR
 
 KERNEL_NAME = "megamoe_fused_kernel"
 NUM_THREADS = 384
@@ -149,7 +150,7 @@ class CompiledKernel:
 def smem_bytes_of(variant: KernelVariant) -> int:
     """Dynamic shared memory to launch with (heuristics.smem_bytes; the generated source
     static_asserts that it equals the kernel's own KernelConfig::kSmemBytes + 1 KiB slack)."""
-    from .heuristics import smem_bytes
+    from ..heuristics import smem_bytes
 
     return smem_bytes(variant.block_m, variant.num_stages, variant.num_experts // variant.num_ranks, variant.numerics)
 
@@ -194,16 +195,16 @@ def compile_variants(variants: List[KernelVariant], verbose: bool = False,
                      ) -> List[Union[CompiledKernel, RuntimeError]]:
     """compile_variant for each variant, one nvcc process per CPU at a time (a model with
     several tiers needs several variants at start-up). Results in the order of `variants`;
-    a variant that fails to compile gives its RuntimeError instead. `on_done(variant)` runs
-    as each finishes, for progress."""
+    a variant that fails to compile gives its RuntimeError instead. `on_done(variant, result)`
+    runs as each finishes (from a worker thread), for progress."""
     def one(variant: KernelVariant) -> Union[CompiledKernel, RuntimeError]:
         try:
-            return compile_variant(variant, verbose)
+            result = compile_variant(variant, verbose)
         except RuntimeError as exc:
-            return exc
-        finally:
-            if on_done is not None:
-                on_done(variant)
+            result = exc
+        if on_done is not None:
+            on_done(variant, result)
+        return result
 
     if len(variants) <= 1:
         return [one(v) for v in variants]
@@ -236,20 +237,29 @@ def parse_ptxas(log: str) -> ResourceUsage:
 
 
 def check_variants(variants: List[KernelVariant]) -> int:
-    """Compiles `variants`, prints a resource table; returns the number of failures."""
-    failures = 0
-    print(f"{'variant':58s} {'regs':>5s} {'spill':>6s} {'stack':>6s} {'smem':>7s}  status")
-    for variant, compiled in zip(variants, compile_variants(variants)):
+    """Compiles `variants`, printing each one's resource row with a count as it finishes (a
+    full check compiles for minutes); returns the number of failures."""
+    total = len(variants)
+    count = f"[{{:{len(str(total))}d}}/{total}]"
+    print(f"{' ' * len(count.format(0))} {'variant':58s} {'regs':>5s} {'spill':>6s} {'stack':>6s} {'smem':>7s}  status")
+    failures, done, lock = 0, 0, threading.Lock()
+
+    def report(variant: KernelVariant, compiled: Union[CompiledKernel, RuntimeError]) -> None:
+        nonlocal failures, done
         if isinstance(compiled, RuntimeError):
-            failures += 1
-            print(f"{variant.name():58s} compile error\n{compiled}")
-            continue
-        usage = parse_ptxas(compiled.ptxas_log)
-        spills = usage.spill_stores + usage.spill_loads
-        ok = spills == 0 and usage.registers > 0
-        failures += not ok
-        print(f"{variant.name():58s} {usage.registers:5d} {spills:6d} {usage.stack_frame:6d} "
-              f"{compiled.smem_bytes:7d}  {'ok' if ok else 'SPILLS' if spills else 'no ptxas report'}", flush=True)
+            ok, row = False, f"{variant.name():58s} compile error\n{compiled}"
+        else:
+            usage = parse_ptxas(compiled.ptxas_log)
+            spills = usage.spill_stores + usage.spill_loads
+            ok = spills == 0 and usage.registers > 0
+            row = (f"{variant.name():58s} {usage.registers:5d} {spills:6d} {usage.stack_frame:6d} "
+                   f"{compiled.smem_bytes:7d}  {'ok' if ok else 'SPILLS' if spills else 'no ptxas report'}")
+        with lock:  # rows come from the compile threads
+            done += 1
+            failures += not ok
+            print(f"{count.format(done)} {row}", flush=True)
+
+    compile_variants(variants, on_done=report)
     return failures
 
 
@@ -257,8 +267,8 @@ def reference_variants() -> List[KernelVariant]:
     """Every variant the heuristics pick for docs/design.md section 8's reference configs, in both
     numerics modes, and each tier a mode implements that they pick for none of its token counts,
     once per reference shape on one rank (MEGAMOE_BLOCK_M, tuned tables)."""
-    from .configs import REFERENCE_SHAPES, REFERENCE_TOKENS_PER_RANK
-    from .heuristics import NUMERICS_MODES, default_config, default_num_stages, runnable_block_m
+    from ..configs import REFERENCE_SHAPES, REFERENCE_TOKENS_PER_RANK
+    from ..heuristics import NUMERICS_MODES, default_config, default_num_stages, runnable_block_m
 
     variants = []
     for shape, numerics in itertools.product(REFERENCE_SHAPES.values(), NUMERICS_MODES):
@@ -301,7 +311,3 @@ def main(argv: Optional[List[str]] = None) -> int:
     failures = check_variants(variants)
     print(f"{len(variants) - failures} passed, {failures} failed")
     return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,8 @@
+"""`python -m megamoe_plugin.jit`. The CLI runs from this module, not from the package's
+__init__: the package imports megamoe_plugin.jit (ops needs it) before runpy would execute
+it again as __main__, which makes runpy warn "found in sys.modules"."""
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,53 @@
+"""`python -m megamoe_plugin.jit --check` without nvcc: rows as variants finish, with a
+count, and no runpy warning."""
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from megamoe_plugin import jit
+
+PTXAS = "Compiling entry function '{name}' for 'sm_90a'\nptxas info    : Used 168 registers, 0 bytes stack frame, " \
+        "{spill} bytes spill stores, 0 bytes spill loads"
+
+
+def test_check_prints_each_row_as_its_variant_finishes(monkeypatch, capsys):
+    variants = [jit.KernelVariant(384, 256, 2, 4, 1, bm, 2, True) for bm in (8, 16, 32)]
+    others_reported = threading.Event()
+    reported = []
+
+    def fake_compile(variant, verbose=False):
+        if variant.block_m == 8:  # first in the list, finishes after the others' rows are out
+            assert others_reported.wait(timeout=30)
+        if variant.block_m == 16:
+            raise RuntimeError("nvcc failed")
+        log = PTXAS.format(name=jit.KERNEL_NAME, spill=4 if variant.block_m == 8 else 0)
+        return jit.CompiledKernel(variant, Path("unused.cubin"), log)
+
+    real_compile_variants = jit.compile_variants
+
+    def compile_variants(vs, verbose=False, on_done=None):
+        def counted(variant, result):
+            on_done(variant, result)  # prints the row
+            reported.append(variant)
+            if len(reported) == 2:
+                others_reported.set()
+        return real_compile_variants(vs, verbose, counted)
+
+    monkeypatch.setattr(jit, "compile_variant", fake_compile)
+    monkeypatch.setattr(jit, "compile_variants", compile_variants)
+    monkeypatch.setattr(jit.os, "cpu_count", lambda: 4)
+    failures = jit.check_variants(variants)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert failures == 2  # the compile error and the spilling variant
+    assert [line[:5] for line in lines] == ["[1/3]", "[2/3]", "[3/3]"]
+    assert variants[0].name() in lines[2] and lines[2].endswith("SPILLS")
+    assert any(variants[2].name() in line and line.endswith("ok") for line in lines[:2])
+    assert "compile error" in next(line for line in lines if variants[1].name() in line)
+
+
+def test_module_cli_runs_without_a_runpy_warning():
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "megamoe_plugin.jit", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "found in sys.modules" not in proc.stderr and "--check" in proc.stdout
