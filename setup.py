@@ -57,10 +57,11 @@ setup(
     package_dir={"megamoe_plugin._csrc": "csrc", "megamoe_plugin._configs": "configs"},
     package_data={"megamoe_plugin._csrc": ["megamoe/*"], "megamoe_plugin._configs": ["*.json"]},
     ext_modules=ext_modules,
-    python_requires=">=3.9",
+    python_requires=">=3.10",  # sys.stdlib_module_names (tests/test_stdlib_only.py)
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "test": ["pytest>=7", "pybind11>=2.10", "setuptools>=64", "wheel"],
+        # pytest-timeout: tools/gpu_check.sh bounds each GPU test with --timeout.
+        "test": ["pytest>=7", "pytest-timeout>=2", "pybind11>=2.10", "setuptools>=64", "wheel"],
         "vllm": ["vllm>=0.24"],
         "cutlass": ["nvidia-cutlass>=3.5"],
     },

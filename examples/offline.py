@@ -1,6 +1,6 @@
 """Offline generation with the MegaMoE kernel: `LLM(..., moe_backend="megamoe_sm90")`.
 
-    pip install 'megamoe_plugin[vllm]'
+    pip install 'megamoe_plugin[vllm,cutlass]'
     python examples/offline.py                                    # Qwen3-30B-A3B-FP8 on one Hopper GPU
     python examples/offline.py --model deepseek-ai/DeepSeek-V3 --tensor-parallel-size 8
 

@@ -4,7 +4,7 @@
 # own requests, and expert parallelism over all 8 (the deployment the kernel is built for;
 # see docs/vllm.md).
 #
-#   pip install 'megamoe_plugin[vllm]'
+#   pip install 'megamoe_plugin[vllm,cutlass]'
 #   MODEL=deepseek-ai/DeepSeek-V3 ./examples/serve.sh            # extra args go to vllm serve
 #
 # Expected output (abridged; timestamps and pids omitted):

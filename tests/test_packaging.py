@@ -3,6 +3,7 @@ harness install plugins) must carry the JIT kernel sources and the config tables
 must hash the sources exactly as the source tree does, so a carried JIT cache still hits."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,25 @@ def test_wheel_ships_kernel_sources_and_configs(wheel):
     for cfg in sorted((REPO / "configs").glob("*.json")):
         assert f"megamoe_plugin/_configs/{cfg.name}" in names
     assert any(n.endswith(".dist-info/entry_points.txt") for n in names)
+
+
+def test_wheel_metadata_states_python_and_test_extra(wheel):
+    zf = zipfile.ZipFile(wheel)
+    (metadata,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+    lines = zf.read(metadata).decode().splitlines()
+    # tests/test_stdlib_only.py needs sys.stdlib_module_names (3.10).
+    assert "Requires-Python: >=3.10" in lines
+    # tools/gpu_check.sh runs pytest --timeout, which needs pytest-timeout.
+    assert any(line.startswith("Requires-Dist: pytest-timeout") and 'extra == "test"' in line for line in lines)
+    assert "megamoe_plugin/jit/__main__.py" in zf.namelist()
+
+
+def test_example_install_hints_name_the_kernel_extras():
+    hints = [(path.name, m.group(1)) for path in sorted((REPO / "examples").iterdir()) if path.is_file()
+             for m in re.finditer(r"megamoe_plugin\[([^\]]*)\]", path.read_text())]
+    assert hints, "no install hint in examples/"
+    for name, extras in hints:
+        assert {"vllm", "cutlass"} <= set(extras.split(",")), (name, extras)
 
 
 def test_installed_copy_finds_its_own_files_with_the_same_cache_key(installed, tmp_path):
