@@ -13,6 +13,8 @@ import argparse
 import itertools
 import functools
 import os
+import sys
+import warnings
 
 import torch
 
@@ -25,6 +27,21 @@ from megamoe_plugin.timing import l2_flusher, median_call_seconds, timed_seconds
 CONFIGS = {name: (s.hidden, s.intermediate_size, s.num_topk) for name, s in REFERENCE_SHAPES.items()}
 LOCAL_EXPERTS = 32
 assert all(s.num_local_experts == LOCAL_EXPERTS for s in REFERENCE_SHAPES.values())
+
+
+def require_sm90_gpu(prog: str) -> None:
+    """Exits with a one-line error unless an SM90 GPU is usable: every benchmark launches the
+    kernel, and a CUDA traceback from deep inside torch would not say that."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    if not available:
+        # torch says why as a warning (e.g. "The NVIDIA driver on your system is too old").
+        why = f" ({str(caught[0].message).splitlines()[0]})" if caught else ""
+        sys.exit(f"{prog}: needs an SM90 (Hopper) GPU; CUDA is not available here{why}")
+    if torch.cuda.get_device_capability() != (9, 0):
+        major, minor = torch.cuda.get_device_capability()
+        sys.exit(f"{prog}: needs an SM90 (Hopper) GPU; {torch.cuda.get_device_name()} is sm_{major}{minor}")
 
 
 def measure_hbm_bandwidth() -> float:
@@ -98,16 +115,29 @@ def init_world():
     return dist.get_rank(), dist.get_world_size(), dist.group.WORLD
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="v3,v4flash",
+                   help=f"comma-separated reference configs to time, of {', '.join(CONFIGS)} (default: %(default)s)")
+    p.add_argument("--tokens", default="1,8,32,128,512,2048,8192",
+                   help="comma-separated token counts per rank (default: %(default)s)")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per point; the median is reported "
+                                                         "(default: %(default)s)")
+    p.add_argument("--no-fast-math", dest="fast_math", action="store_false",
+                   help="call with fast_math=False (exact SwiGLU math)")
+    p.add_argument("--numerics", default="fast,exact",
+                   help="comma-separated numerics modes to time (docs/design.md section 2): fast, exact "
+                        "(default: %(default)s)")
+    return p
+
+
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--configs", default="v3,v4flash")
-    parser.add_argument("--tokens", default="1,8,32,128,512,2048,8192")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--no-fast-math", dest="fast_math", action="store_false",
-                        help="call with fast_math=False (exact SwiGLU math)")
-    parser.add_argument("--numerics", default="fast,exact",
-                        help="comma-separated numerics modes to time (docs/design.md section 2): fast, exact")
-    args = parser.parse_args()
+    p = parser()
+    args = p.parse_args()
+    unknown = [name for name in args.configs.split(",") if name not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown config(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    require_sm90_gpu("bench_kernel.py")
     tokens_list = [int(t) for t in args.tokens.split(",")]
     rank, num_ranks, group = init_world()
     if group is not None:

@@ -12,11 +12,13 @@ every replay, median of --iters.
 """
 import argparse
 import functools
+import importlib.util
+import sys
 
 import torch
 
 import megamoe_plugin as mm
-from bench_kernel import measure_fp8_rate, measure_hbm_bandwidth, rank_floor
+from bench_kernel import measure_fp8_rate, measure_hbm_bandwidth, rank_floor, require_sm90_gpu
 from megamoe_plugin.fp8 import quantize_per_token_group
 from megamoe_plugin.reference import calc_diff, mega_moe, token_rel_errors
 from megamoe_plugin.testing import random_layer, random_routing
@@ -34,15 +36,24 @@ def vllm_triton_moe(layer, block=128):
     return functools.partial(fused_experts, w1=ckpt["w13"], w2=ckpt["w2"], quant_config=quant)
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="1,8,16,32,64,128,256,512",
+                   help="comma-separated token counts (one GPU) (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size H (default: %(default)s)")
+    p.add_argument("--inter", type=int, default=768, help="expert intermediate size I (default: %(default)s)")
+    p.add_argument("--experts", type=int, default=128, help="number of experts (default: %(default)s)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token (default: %(default)s)")
+    p.add_argument("--iters", type=int, default=50, help="timed graph replays per point; the median is "
+                                                         "reported (default: %(default)s)")
+    return p
+
+
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", default="1,8,16,32,64,128,256,512")
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--inter", type=int, default=768)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=50)
-    args = parser.parse_args()
+    args = parser().parse_args()
+    require_sm90_gpu("bench_vs_vllm.py")
+    if importlib.util.find_spec("vllm") is None:
+        sys.exit("bench_vs_vllm.py: needs vllm (pip install 'megamoe_plugin[vllm,cutlass]'), which is not installed")
     tokens_list = [int(t) for t in args.tokens.split(",")]
     h, inter, num_experts, topk = args.hidden, args.inter, args.experts, args.topk
 
