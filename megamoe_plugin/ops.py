@@ -177,14 +177,13 @@ def _check_tensor(t, name: str, dtype: torch.dtype, shape: Tuple[int, ...], devi
 def resolve_numerics(numerics: Optional[str]) -> str:
     """The call's numerics mode (docs/design.md section 2): the argument, else MEGAMOE_NUMERICS,
     else "fast"."""
-    from .heuristics import DEFAULT_NUMERICS, NUMERICS_MODES
+    from .heuristics import DEFAULT_NUMERICS, NUMERICS_MODES, check_numerics
 
-    if numerics is None:
-        numerics = os.environ.get("MEGAMOE_NUMERICS") or DEFAULT_NUMERICS
-        if numerics not in NUMERICS_MODES:
-            raise ValueError(f"MEGAMOE_NUMERICS must be one of {NUMERICS_MODES}, got {numerics!r}")
-    elif numerics not in NUMERICS_MODES:
-        raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {numerics!r}")
+    if numerics is not None:
+        return check_numerics(numerics)
+    numerics = os.environ.get("MEGAMOE_NUMERICS") or DEFAULT_NUMERICS
+    if numerics not in NUMERICS_MODES:
+        raise ValueError(f"MEGAMOE_NUMERICS must be one of {NUMERICS_MODES}, got {numerics!r}")
     return numerics
 
 
