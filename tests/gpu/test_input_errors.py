@@ -11,6 +11,7 @@ import torch
 
 import megamoe_plugin as mm
 from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer
+from megamoe_plugin.timing import graphed
 
 HIDDEN, INTER, TOPK, EXPERTS, MAX_TOKENS = 384, 256, 4, 4, 50  # a precompiled shape (tests/gpu/cases.py)
 NUM_TOKENS = 21
@@ -93,17 +94,9 @@ def test_bad_expert_id_in_a_graph_replay_is_logged_and_raised(setup, caplog):
     caplog.clear()  # the earlier tests' bad ids, logged while catching up
     y = torch.empty(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16, device="cuda")
     fill_buffer(buf, inputs)
-    mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)  # loads and builds outside the capture
-    mm.ops.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
-    torch.cuda.current_stream().wait_stream(stream)
+    replay = graphed(lambda: mm.fp8_mega_moe(y, layer.l1, layer.l2, buf))  # loads and builds outside the capture
     fill_buffer(buf, _with_expert_ids(inputs, [EXPERTS, EXPERTS]))
-    graph.replay()
+    replay()
     torch.cuda.synchronize()  # plain torch, as a server would: no megamoe call
     _watchdog_caught_up()
     logged = [r for r in caplog.records if "topk_idx" in r.getMessage()]
