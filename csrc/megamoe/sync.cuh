@@ -71,8 +71,11 @@ __device__ __forceinline__ bool poll_bounded(const KernelParams& p, uint32_t cod
   return false;
 }
 
-__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
-  int v;
+// Acquire load of a 32-bit word (int or uint32_t) at GPU scope.
+template <class Word>
+__device__ __forceinline__ Word ld_acquire_gpu(const Word* ptr) {
+  static_assert(sizeof(Word) == 4, "a 32-bit word");
+  Word v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
   return v;
 }
@@ -112,12 +115,6 @@ __device__ __forceinline__ bool arrive_grid(uint32_t* counter) {
   uint32_t old;
   asm volatile("atom.inc.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(gridDim.x - 1) : "memory");
   return old == gridDim.x - 1;
-}
-
-__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* ptr) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
-  return v;
 }
 
 __device__ __forceinline__ void st_release_gpu(uint32_t* ptr, uint32_t v) {
