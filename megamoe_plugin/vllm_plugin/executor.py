@@ -1,77 +1,34 @@
-"""What runs a MoE layer call: the GPU kernel (default) or, selected explicitly, the
-float32 reference; and the symmetric buffers the kernel runs on.
-
-Executor selection
-    MEGAMOE_EXECUTOR=kernel     (default) megamoe_plugin.fp8_mega_moe on an SM90 GPU.
-    MEGAMOE_EXECUTOR=reference  megamoe_plugin.reference.mega_moe in float32, on whatever
-                                device the activations are (CPU tests). One EP rank only.
-    `set_executor("reference")` overrides the environment from Python (tests).
-There is no fallback: the kernel path fails loudly where the kernel cannot run (and
-model load refuses non-SM90 GPUs first), the reference is used only when asked for.
-
-Symmetric buffers
-    One `SymmBuffer` per (EP device group, device, shape), created on the first forward
-    of the first layer of that shape (vLLM's profile run: before CUDA-graph capture, with
-    every EP rank in the same forward), sized for max_num_batched_tokens, and shared by
-    every layer of that shape: layers run one after another, so one buffer suffices.
-    Allocation is collective over the EP group (torch symmetric memory rendezvous).
-
-Warm-up
-    Every layer registers its kernel-layout weights at load (`register_layer_weights`).
-    Before the first kernel call on a buffer (the profile run, on every EP rank alike),
-    `maybe_warmup` compiles and loads every kernel variant the batch sizes select and
-    builds the kernel params of every registered layer of that buffer, then waits at a
-    barrier over the EP group (`megamoe_plugin.ops.warmup`): no rank launches a collective
-    call while another still compiles, and graph capture finds everything built.
+"""What runs a megamoe_sm90 layer call in vLLM: `megamoe_plugin.serving` (executor
+selection, buffers, warm-up, the kernel and reference calls; see its docstring) plus what
+only vLLM knows: its EP group, the other DP ranks' token counts and batch invariance.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import threading
-import time
-import weakref
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Optional
 
-import torch
+from .. import serving
+from ..serving import (  # noqa: F401  (this module is the vLLM glue's one view of the executor)
+    ENV_VAR,
+    EXECUTORS,
+    buffer_key,
+    clear_buffers,
+    get_buffer,
+    get_executor,
+    maybe_warmup,
+    num_buffers,
+    register_layer_weights,
+    run_reference,
+    set_executor,
+    warmup_token_counts,
+)
 
-logger = logging.getLogger("vllm.megamoe_sm90")
-
-EXECUTORS = ("kernel", "reference")
-ENV_VAR = "MEGAMOE_EXECUTOR"
-
-_override: Optional[str] = None
-
-
-def set_executor(name: Optional[str]) -> Optional[str]:
-    """Select the executor from Python ("kernel", "reference", or None to follow the
-    environment); returns the previous override."""
-    global _override
-    if name is not None and name not in EXECUTORS:
-        raise ValueError(f"executor must be one of {EXECUTORS} or None, got {name!r}")
-    previous, _override = _override, name
-    return previous
+serving.log_to(logging.getLogger("vllm.megamoe_sm90"))
 
 
-def get_executor() -> str:
-    name = _override if _override is not None else os.environ.get(ENV_VAR, "kernel").strip().lower() or "kernel"
-    if name not in EXECUTORS:
-        raise ValueError(f"{ENV_VAR}={name!r} is not one of {EXECUTORS}")
-    return name
-
-
-# ------------------------------------------------------------------ EP group and buffers
-
-
-class EPGroup:
-    """The EP process group a layer's kernel runs over (None for one rank)."""
-
-    def __init__(self, world_size: int, rank: int, device_group=None, key: object = None):
-        self.world_size = world_size
-        self.rank = rank
-        self.device_group = device_group
-        self.key = key if key is not None else ("single",)
-
+class EPGroup(serving.EPGroup):
     @classmethod
     def from_vllm(cls, moe_parallel_config) -> "EPGroup":
         if not getattr(moe_parallel_config, "use_ep", False) or moe_parallel_config.ep_size == 1:
@@ -84,61 +41,6 @@ class EPGroup:
                                f"{moe_parallel_config.ep_size}")
         return cls(ep.world_size, ep.rank_in_group, ep.device_group,
                    key=("ep", getattr(ep, "unique_name", None), tuple(ep.ranks)))
-
-
-_buffers: Dict[Tuple, object] = {}
-# buffer_key -> {layer: (l1, l2)}, weakly keyed: a freed model's layers drop out.
-_layer_weights: Dict[Tuple, "weakref.WeakKeyDictionary"] = {}
-# (id(buffer), weight pointers) of every layer warmed up on a buffer.
-_warmed: set = set()
-_lock = threading.RLock()
-
-
-def buffer_key(group: EPGroup, device: torch.device, shape: Tuple[int, ...]) -> Tuple:
-    index = device.index if device.type == "cuda" and device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" else None)
-    return (group.key, device.type, index) + tuple(shape)
-
-
-def get_buffer(group: EPGroup, device: torch.device, num_experts: int, max_tokens: int, topk: int, hidden: int,
-               intermediate: int):
-    """The shared buffer for this (group, device, shape), allocating it (collectively) on first use."""
-    import megamoe_plugin as mm
-
-    key = buffer_key(group, device, (num_experts, max_tokens, topk, hidden, intermediate))
-    with _lock:
-        buf = _buffers.get(key)
-        if buf is not None:
-            return buf
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "megamoe_sm90: the symmetric buffer must be created before CUDA-graph capture (vLLM's profile run "
-                "does this); a layer's first forward ran inside capture")
-        t0 = time.perf_counter()
-        nbytes = mm.get_symm_buffer_size(group.world_size, num_experts, max_tokens, topk, hidden, intermediate)
-        buf = mm.get_symm_buffer(group.device_group if group.world_size > 1 else None, num_experts, max_tokens,
-                                 topk, hidden, intermediate, device=device)
-        _buffers[key] = buf
-        logger.info("megamoe_sm90: symmetric buffer for %d experts, top-%d, hidden %d, intermediate %d, up to %d "
-                    "tokens/rank over %d EP rank(s): %.1f MiB per rank (%.2fs)", num_experts, topk, hidden,
-                    intermediate, max_tokens, group.world_size, nbytes / 2**20, time.perf_counter() - t0)
-        return buf
-
-
-def clear_buffers() -> None:
-    """Close and drop every cached buffer (tests; a new engine in the same process)."""
-    with _lock:
-        for buf in _buffers.values():
-            buf.close()
-        _buffers.clear()
-        _warmed.clear()
-
-
-def num_buffers() -> int:
-    return len(_buffers)
-
-
-# ------------------------------------------------------------------ config key
 
 
 def rank_equal_num_tokens(num_tokens: int) -> int:
@@ -166,85 +68,10 @@ def rank_equal_num_tokens(num_tokens: int) -> int:
     return max(int(across.max()), num_tokens)
 
 
-# ------------------------------------------------------------------ warm-up
-
-
-def warmup_token_counts(max_tokens: int, capture_sizes: Optional[Sequence[int]]) -> List[int]:
-    """Token counts whose kernel variants to compile before graph capture: every CUDA-graph
-    capture size, powers of two up to the maximum (eager batches) and the maximum."""
-    counts = set(int(c) for c in (capture_sizes or ()) if 0 < int(c) <= max_tokens)
-    p = 1
-    while p < max_tokens:
-        counts.add(p)
-        p *= 2
-    counts.add(max_tokens)
-    return sorted(counts)
-
-
 def vllm_numerics() -> Optional[str]:
     """The kernel's numerics mode in vLLM: "exact" (bitwise batch-invariant) under
     VLLM_BATCH_INVARIANT=1, else None (MEGAMOE_NUMERICS, default "fast"; docs/design.md section 2)."""
     return "exact" if os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0") else None
 
 
-def register_layer_weights(key: Tuple, layer, l1, l2) -> None:
-    """Record a layer's kernel-layout weights (at load) for the warm-up of the buffer with
-    this buffer_key; registering the layer again replaces its weights."""
-    with _lock:
-        _layer_weights.setdefault(key, weakref.WeakKeyDictionary())[layer] = (tuple(l1), tuple(l2))
-
-
-def _weights_key(l1, l2) -> Tuple[int, ...]:
-    return (l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(), l2[1].data_ptr())
-
-
-def maybe_warmup(buf, key: Tuple, l1, l2, token_counts: Iterable[int], numerics: Optional[str] = None) -> None:
-    """Before a layer's first kernel call on `buf` (buffer_key `key`): ops.warmup with every
-    kernel variant these token counts select in `numerics` mode (vllm_numerics: one mode per
-    process), for this layer's weights and those of every registered layer of the buffer not
-    warmed up yet; it ends with the group barrier."""
-    import megamoe_plugin.ops as ops
-
-    if (id(buf), _weights_key(l1, l2)) in _warmed:
-        return
-    with _lock:
-        layers = {_weights_key(l1, l2): (tuple(l1), tuple(l2))}
-        for weights in list(_layer_weights.get(key, {}).values()):
-            layers.setdefault(_weights_key(*weights), weights)
-        pending = [weights for wkey, weights in layers.items() if (id(buf), wkey) not in _warmed]
-        counts = list(token_counts)
-        t0 = time.perf_counter()
-        logger.info("megamoe_sm90: compiling the kernel variants for %d batch sizes (%d..%d tokens) and building "
-                    "the kernel params of %d layer(s)", len(counts), counts[0], counts[-1], len(pending))
-        n = ops.warmup(buf, l1, l2, counts, numerics=numerics, other_layers=pending[1:])
-        _warmed.update((id(buf), wkey) for wkey in layers)
-        logger.info("megamoe_sm90: %s kernel variant(s) ready in %.1fs", n, time.perf_counter() - t0)
-
-
-# ------------------------------------------------------------------ the two executors
-
-
-def run_kernel(output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
-               topk_weights: torch.Tensor, l1, l2, buf, activation_clamp: Optional[float],
-               numerics: Optional[str] = None) -> None:
-    import megamoe_plugin as mm
-
-    n = mm.stage_inputs(buf, hidden_states, topk_ids, topk_weights)
-    # Through the registered op, so that vLLM's torch.compile keeps the layer in one graph.
-    mm.custom_op.fp8_mega_moe(output[:n], l1, l2, buf, activation_clamp=activation_clamp, fast_math=True,
-                              config_num_tokens=rank_equal_num_tokens(n), numerics=numerics)
-
-
-def run_reference(output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor, l1, l2, buf, num_experts: int,
-                  activation_clamp: Optional[float]) -> None:
-    """The same staging, then the float32 reference on the staged inputs. The kernel
-    layout is inverted per call (no second copy of the weights is kept)."""
-    import megamoe_plugin as mm
-
-    n = mm.stage_inputs(buf, hidden_states, topk_ids, topk_weights)
-    (w13, w13_scale), (w2, w2_scale) = mm.untransform_weights(tuple(l1), tuple(l2))
-    ranks = [dict(x=buf.x[:n], x_sf=buf.x_sf[:n], topk_idx=buf.topk_idx[:n], topk_weights=buf.topk_weights[:n])]
-    weights = [dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)]
-    (y,) = mm.reference.mega_moe(ranks, weights, num_experts, activation_clamp=activation_clamp)
-    output[:n].copy_(y)
+run_kernel = functools.partial(serving.run_kernel, rank_equal_num_tokens=rank_equal_num_tokens)

@@ -14,23 +14,24 @@ import dataclasses
 import logging
 from typing import Dict, List, Optional, Tuple
 
-# docs/design.md section 2 limits (the buffer module is the source of truth).
-from ..buffer import MAX_LOCAL_EXPERTS, MAX_TOPK, SUPPORTED_NUM_RANKS
+from .. import support
 from . import BACKEND
 
 logger = logging.getLogger("vllm.megamoe_sm90")
 
-PICK_OTHER = "pick another --moe-backend (e.g. leave it at 'auto')"
-OTHER_BACKEND = "or " + PICK_OTHER
+HINTS = support.Hints(pick_other="pick another --moe-backend (e.g. leave it at 'auto')",
+                      ep_size_flags="--data-parallel-size x --tensor-parallel-size",
+                      ep_size_words="data-parallel x tensor-parallel ranks",
+                      more_ranks_flag="--data-parallel-size")
+PICK_OTHER = HINTS.pick_other
+OTHER_BACKEND = HINTS.other_backend
 
 
-class MegaMoEUnsupportedError(ValueError):
+class MegaMoEUnsupportedError(support.UnsupportedError):
     """A deployment megamoe_sm90 cannot run; the message names what to change."""
 
     def __init__(self, what: str, change: str):
-        super().__init__(f"--moe-backend {BACKEND}: {what}. To fix: {change}.")
-        self.what = what
-        self.change = change
+        super().__init__(f"--moe-backend {BACKEND}", what, change)
 
 
 # ------------------------------------------------------------------ hardware probe
@@ -151,32 +152,7 @@ def _cached_topology(key: object) -> EPTopology:
 
 def check_quantization(quant_config) -> None:
     """128x128 block FP8 with dynamic activation quantization, serialized in the checkpoint."""
-    if getattr(quant_config, "store_dtype", None) not in (None, "fp8", "float8_e4m3fn"):
-        raise MegaMoEUnsupportedError(
-            f"the checkpoint stores experts as {quant_config.store_dtype!r}, the kernel takes FP8 e4m3 experts",
-            f"use an FP8 block-quantized checkpoint {OTHER_BACKEND}")
-    if not getattr(quant_config, "is_checkpoint_fp8_serialized", True):
-        raise MegaMoEUnsupportedError(
-            "online FP8 quantization of a BF16/FP16 checkpoint gives per-tensor scales, the kernel needs 128x128 "
-            "block scales from the checkpoint",
-            f"serve a checkpoint with quantization_config {{quant_method: fp8, weight_block_size: [128, 128]}} "
-            f"{OTHER_BACKEND}")
-    block = getattr(quant_config, "weight_block_size", None)
-    if block is None:
-        raise MegaMoEUnsupportedError(
-            "the checkpoint's FP8 experts have per-tensor scales (no weight_block_size), the kernel needs "
-            "128x128 block scales",
-            f"serve a block-quantized FP8 checkpoint (quantization_config.weight_block_size = [128, 128], as "
-            f"DeepSeek-V3/Qwen3 FP8 checkpoints have) {OTHER_BACKEND}")
-    if list(block) != [128, 128]:
-        raise MegaMoEUnsupportedError(
-            f"weight_block_size={list(block)}: the kernel takes only 128x128 blocks",
-            f"requantize the checkpoint to weight_block_size [128, 128] {OTHER_BACKEND}")
-    if getattr(quant_config, "activation_scheme", "dynamic") != "dynamic":
-        raise MegaMoEUnsupportedError(
-            f"activation_scheme={quant_config.activation_scheme!r}: the kernel quantizes activations dynamically "
-            "per token and 128 columns",
-            f"use a checkpoint with activation_scheme 'dynamic' {OTHER_BACKEND}")
+    support.check_quantization(quant_config, MegaMoEUnsupportedError, HINTS)
 
 
 def check_layer_skipped(prefix: str) -> None:
@@ -240,27 +216,7 @@ def check_layer(moe_config, layer, *, executor: str) -> None:
     hidden = moe_config.hidden_dim
     inter = moe_config.intermediate_size_per_partition
     topk = moe_config.experts_per_token
-    shape_change = (f"the kernel takes hidden % 128 == 0, intermediate % 128 == 0, 1 <= top-k <= {MAX_TOPK}, "
-                    f"EP size (data-parallel x tensor-parallel ranks) in {SUPPORTED_NUM_RANKS}, experts divisible "
-                    f"by the EP size and at most {MAX_LOCAL_EXPERTS} experts per EP rank")
-    if num_ranks not in SUPPORTED_NUM_RANKS:
-        raise MegaMoEUnsupportedError(
-            f"the EP group has {num_ranks} ranks", f"run with an EP size in {SUPPORTED_NUM_RANKS} "
-            f"(--data-parallel-size x --tensor-parallel-size); {shape_change}")
-    for value, name in ((hidden, "hidden size"), (inter, "MoE intermediate size")):
-        if value % 128 != 0:
-            raise MegaMoEUnsupportedError(f"{name} {value} is not a multiple of 128",
-                                          f"{PICK_OTHER}: {shape_change}")
-    if not 1 <= topk <= MAX_TOPK:
-        raise MegaMoEUnsupportedError(f"top-k {topk} is outside [1, {MAX_TOPK}]",
-                                      f"{PICK_OTHER}: {shape_change}")
-    if num_experts % num_ranks != 0:
-        raise MegaMoEUnsupportedError(f"{num_experts} experts do not divide over {num_ranks} EP ranks",
-                                      f"choose an EP size that divides {num_experts}")
-    if num_experts // num_ranks > MAX_LOCAL_EXPERTS:
-        raise MegaMoEUnsupportedError(
-            f"{num_experts // num_ranks} experts per EP rank exceed the kernel's {MAX_LOCAL_EXPERTS}",
-            f"use more EP ranks (--data-parallel-size) so that experts / EP size <= {MAX_LOCAL_EXPERTS}")
+    support.check_shapes(num_ranks, num_experts, hidden, inter, topk, MegaMoEUnsupportedError, HINTS)
 
     if executor == "reference" and num_ranks != 1:
         raise MegaMoEUnsupportedError(
@@ -300,11 +256,8 @@ def check_vllm_features(vllm_config) -> None:
 def check_device() -> None:
     """The GPU kernel needs SM90 (Hopper)."""
     capability = _probe.device_capability()
-    if capability is None or tuple(capability) != (9, 0):
-        found = "no CUDA device" if capability is None else f"{_probe.device_name()} (sm_{capability[0]}{capability[1]})"
-        raise MegaMoEUnsupportedError(
-            f"the kernel runs on SM90 GPUs (H100, H200, H800, H20) only, this process has {found}",
-            f"run on Hopper GPUs {OTHER_BACKEND}")
+    name = _probe.device_name() if capability is not None else "no CUDA device"
+    support.check_device(capability, name, MegaMoEUnsupportedError, HINTS)
 
 
 def check_ep_topology(group_key: object) -> EPTopology:
