@@ -48,7 +48,7 @@ else:
 setup(
     name="megamoe_plugin",
     version="0.1.0",
-    description="Fused expert-parallel FP8 MoE (MegaMoE) for NVIDIA Hopper, as a vLLM plugin",
+    description="Fused expert-parallel FP8 MoE (MegaMoE) for NVIDIA Hopper, as a vLLM and SGLang plugin",
     # The kernel sources (JIT-compiled at run time) and the tuned config tables ship inside
     # the package, so a non-editable install (pip install --target, a wheel) finds them too;
     # megamoe_plugin/paths.py prefers these copies and falls back to the source tree.
@@ -63,8 +63,13 @@ setup(
         # pytest-timeout: tools/gpu_check.sh bounds each GPU test with --timeout.
         "test": ["pytest>=7", "pytest-timeout>=2", "pybind11>=2.10", "setuptools>=64", "wheel"],
         "vllm": ["vllm>=0.24"],
+        # Its own environment: sglang and vllm pin different torch versions (docs/sglang.md).
+        "sglang": ["sglang>=0.5.23,<0.6"],
         "cutlass": ["nvidia-cutlass>=3.5"],
     },
-    entry_points={"vllm.general_plugins": ["megamoe_sm90 = megamoe_plugin.vllm_plugin:register"]},
+    entry_points={
+        "vllm.general_plugins": ["megamoe_sm90 = megamoe_plugin.vllm_plugin:register"],
+        "sglang.srt.plugins": ["megamoe_sm90 = megamoe_plugin.sglang_plugin:register"],
+    },
     zip_safe=False,
 )

@@ -1,0 +1,36 @@
+"""SGLang integration of the MegaMoE kernel: `--moe-runner-backend megamoe_sm90`.
+
+`register()` is the `sglang.srt.plugins` entry point (setup.py:
+`megamoe_sm90 = megamoe_plugin.sglang_plugin:register`). SGLang calls it in every process
+before it parses arguments, and swallows (logs) what it raises, so register() never raises:
+a problem it finds is raised, with its reason, when a user selects the backend. It is
+idempotent and touches no CUDA. It
+
+1. adds "megamoe_sm90" to `--moe-runner-backend`'s choices (SGLang's
+   `add_moe_runner_backend_choices`, meant for out-of-tree backends);
+2. wraps the resolution step `handle_mega_moe`: the flag resolves to SGLang's own mega-MoE
+   path (`moe_a2a_backend="megamoe"`, `moe_runner_backend="auto"`, exactly what SGLang's
+   `--moe-runner-backend megamoe` alias resolves to), so SGLang's process groups, token-budget
+   checks, CUDA-graph handling and per-model mega-MoE forwards run unchanged; the operator's
+   input "megamoe_sm90" stays on the server-args record, which tells every process that the
+   layers run this kernel rather than DeepGEMM's;
+3. wraps the SM90 mega-MoE functions (SGLang's HookRegistry, AROUND hooks that call the
+   original when the backend is not selected): the expert-weight build (our weight
+   transform, after the refusals), the buffer (ours), and the routed forward (our staging
+   and kernel, or the float32 reference under MEGAMOE_EXECUTOR=reference).
+
+Before any of that it checks the SGLang version and the signature of every function it
+hooks (registration.py); see docs/sglang.md.
+"""
+from __future__ import annotations
+
+BACKEND = "megamoe_sm90"
+
+__all__ = ["BACKEND", "register"]
+
+
+def register() -> None:
+    """sglang.srt.plugins entry point: idempotent, cheap, CUDA-free, never raises."""
+    from .registration import register as _register
+
+    _register()

@@ -1,0 +1,141 @@
+"""The AROUND hooks on SGLang's SM90 mega-MoE path (`sglang.srt.layers.moe.mega_moe_sm90`,
+`mega_moe`). Each calls SGLang's original unless the server arguments select megamoe_sm90,
+so DeepGEMM's `--moe-a2a-backend megamoe` keeps working with the plugin installed.
+
+    build weights   (model load)  refusals, then `megamoe_plugin.transform_weights` in place
+                                  of the parameters' data: no second copy of the experts
+    available?      (forward)     our weights built (no DeepGEMM needed)
+    buffer          (forward)     `megamoe_plugin.serving.get_buffer` over SGLang's MoE EP
+                                  device group, sized by SGLang's per-rank token cap
+    routed forward  (forward)     staging + kernel (warmed up before its first call), or the
+                                  float32 reference under MEGAMOE_EXECUTOR=reference
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from .. import serving
+from . import refusals
+from .resolution import selected_by
+
+logger = logging.getLogger("megamoe_plugin.sglang")
+
+_SM90 = "sglang.srt.layers.moe.mega_moe_sm90."
+_MEGA = "sglang.srt.layers.moe.mega_moe."
+MARK = "_megamoe_plugin_weights"  # set on a FusedMoE whose weights are in the kernel layout
+
+
+def selected() -> bool:
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        return selected_by(get_server_args())
+    except ValueError:  # no published server arguments in this process: nothing selected
+        return False
+
+
+def _device_sm() -> int:
+    from sglang.srt.layers.moe import mega_moe_sm90
+
+    return int(mega_moe_sm90._device_sm)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_weights(original, experts) -> None:
+    if not selected():
+        return original(experts)
+    if getattr(experts, "_mega_moe_weights_built", False):
+        return None
+    import megamoe_plugin as mm
+
+    executor = serving.get_executor()
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+    refusals.check_experts(experts, executor=executor, device_sm=_device_sm(), device_name=name)
+    w13, s13, w2, s2 = experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight, experts.w2_weight_scale_inv
+    (t13, ts13), (t2, ts2) = mm.transform_weights((w13.data, s13.data), (w2.data, s2.data))
+    # Rebind, never copy: the checkpoint-layout storages are released here.
+    w13.data, s13.data, w2.data, s2.data = t13, ts13, t2, ts2
+    experts.mega_l1_weights = (w13.data, s13.data)
+    experts.mega_l2_weights = (w2.data, s2.data)
+    # What SGLang's SM90 path reads (is_sm90_fp8_mega_moe_available, is_mega_moe_experts_ready).
+    experts._mega_moe_sm90_fp8_weights = True
+    experts._mega_moe_weights_built = True
+    setattr(experts, MARK, True)
+    return None
+
+
+def is_available(original, experts) -> bool:
+    if not selected():
+        return original(experts)
+    return bool(getattr(experts, MARK, False))
+
+
+def _ep_group(group) -> serving.EPGroup:
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return serving.EPGroup(1, 0)
+    return serving.EPGroup(dist.get_world_size(group), dist.get_rank(group), group,
+                           key=("sglang-ep", tuple(dist.get_process_group_ranks(group))))
+
+
+def get_buffer(original, group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+               num_shared_experts=0, *, mma_type, activation="swiglu"):
+    if not selected():
+        return original(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                        num_shared_experts, mma_type=mma_type, activation=activation)
+    if num_shared_experts or activation != "swiglu" or mma_type != "fp8xfp4":
+        # SGLang asks for these only on SM100 (FP4 experts, fused shared experts).
+        raise refusals.MegaMoEUnsupportedError(
+            f"a mega-MoE buffer with mma_type={mma_type!r}, activation={activation!r} and {num_shared_experts} "
+            "fused shared experts: the kernel runs FP8 SwiGLU experts without shared experts",
+            refusals.HINTS.pick_other)
+    ep = group if serving.get_executor() == "kernel" else None
+    return serving.get_buffer(_ep_group(ep), _device(), num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                              intermediate_hidden)
+
+
+def rank_equal_num_tokens(num_tokens: int) -> int:
+    """The largest batch over the DP-attention ranks (SGLang gathers every rank's count on
+    the CPU before the forward); without DP attention all EP ranks share one batch."""
+    from sglang.srt.layers.dp_attention import get_dp_global_num_tokens
+
+    counts = get_dp_global_num_tokens()
+    return max([num_tokens] + [int(c) for c in counts]) if counts else num_tokens
+
+
+def run_routed(original, experts, hidden_states, topk_ids, topk_weights, buf, num_tokens, *, hidden_size,
+               activation_clamp: Optional[float] = None, routed_scaling_factor: float = 1.0):
+    if not selected():
+        return original(experts, hidden_states, topk_ids, topk_weights, buf, num_tokens, hidden_size=hidden_size,
+                        activation_clamp=activation_clamp, routed_scaling_factor=routed_scaling_factor)
+    hidden_states = hidden_states[:num_tokens].contiguous()
+    if routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * routed_scaling_factor
+    l1, l2 = experts.mega_l1_weights, experts.mega_l2_weights
+    clamp = None if activation_clamp is None else float(activation_clamp)
+    y = torch.empty((num_tokens, hidden_size), dtype=torch.bfloat16, device=hidden_states.device)
+    if serving.get_executor() == "reference":
+        serving.run_reference(y, hidden_states, topk_ids, topk_weights, l1, l2, buf, experts.num_experts, clamp)
+        return y
+    # Layers share a buffer; each layer's first call builds its kernel params (and the
+    # first call on the buffer compiles the variants): SGLang's eager warm-up forwards before
+    # CUDA-graph capture make these calls.
+    serving.maybe_warmup(buf, ("sglang", id(buf)), l1, l2, serving.warmup_token_counts(buf.shape.num_max_tokens_per_rank, ()))
+    serving.run_kernel(y, hidden_states, topk_ids, topk_weights, l1, l2, buf, clamp,
+                       rank_equal_num_tokens=rank_equal_num_tokens)
+    return y
+
+
+HOOKS = {
+    _SM90 + "build_sm90_mega_moe_experts_weights": build_weights,
+    _SM90 + "is_sm90_fp8_mega_moe_available": is_available,
+    _MEGA + "_get_mega_moe_symm_buffer": get_buffer,
+    _SM90 + "run_sm90_mega_routed": run_routed,
+}

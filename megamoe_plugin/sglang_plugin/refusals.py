@@ -1,0 +1,75 @@
+"""Everything megamoe_sm90 refuses in SGLang, each with a message that says what to change.
+
+The checks themselves are the vLLM plugin's (megamoe_plugin.support); here are SGLang's
+words for the fixes and the facts of an SGLang MoE layer (`FusedMoE`). Argument-level
+refusals run at resolution (before any process starts), layer-level ones when a layer's
+expert weights are built (model load), where every rank reaches the same verdict.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .. import support
+from . import BACKEND
+
+HINTS = support.Hints(pick_other="pick another --moe-runner-backend (e.g. leave it at 'auto')",
+                      ep_size_flags="--ep-size, with --tp-size equal to it",
+                      ep_size_words="--ep-size",
+                      more_ranks_flag="--ep-size")
+
+
+class MegaMoEUnsupportedError(support.UnsupportedError):
+    """A deployment megamoe_sm90 cannot run in SGLang; the message names what to change."""
+
+    def __init__(self, what: str, change: str):
+        super().__init__(f"--moe-runner-backend {BACKEND}", what, change)
+
+
+class IncompatibleSGLangError(RuntimeError):
+    """This sglang is not one the plugin was written for (version or hooked signatures)."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"--moe-runner-backend {BACKEND} cannot run on this sglang: {reason}. To fix: install "
+                         f"an sglang the plugin supports (docs/sglang.md) or {HINTS.pick_other}.")
+
+
+def check_arguments(cfg) -> None:
+    """Server arguments (a resolving view) the backend cannot be combined with."""
+    a2a = getattr(cfg, "moe_a2a_backend", "none")
+    if a2a not in ("none", "megamoe"):
+        raise MegaMoEUnsupportedError(
+            f"--moe-a2a-backend {a2a}: the kernel dispatches and combines tokens itself",
+            "leave --moe-a2a-backend unset")
+
+
+def check_experts(experts, *, executor: str, device_sm: Optional[int], device_name: str) -> None:
+    """A MoE layer (SGLang's FusedMoE) at weight build: quantization, activation, shapes, device.
+    `device_sm` is SGLang's own reading (90 for SM90, 0 without CUDA)."""
+    quant_config = getattr(getattr(experts, "quant_method", None), "quant_config", None)
+    if quant_config is None:
+        raise MegaMoEUnsupportedError("the MoE layer is not FP8-quantized",
+                                      f"serve a 128x128 block-FP8 checkpoint {HINTS.other_backend}")
+    support.check_quantization(quant_config, MegaMoEUnsupportedError, HINTS)
+    runner = getattr(experts, "moe_runner_config", None)
+    activation = str(getattr(runner, "activation", "silu")).lower()
+    if activation != "silu" or not getattr(runner, "is_gated", True):
+        raise MegaMoEUnsupportedError(
+            f"the model's MoE activation is {activation!r}, the kernel computes SiLU-gated experts only",
+            f"serve a SwiGLU MoE model (DeepSeek-V3, Qwen3-MoE, ...) {HINTS.other_backend}")
+    moe_tp = int(getattr(experts, "moe_tp_size", 1) or 1)
+    if moe_tp > 1:
+        raise MegaMoEUnsupportedError(
+            f"the MoE layer is tensor-parallel ({moe_tp} ranks each hold a slice of every expert), the kernel "
+            "needs expert parallelism (each rank holds whole experts)",
+            "pass --ep-size equal to --tp-size")
+    num_ranks = int(getattr(experts, "moe_ep_size", 1) or 1)
+    support.check_shapes(num_ranks, experts.num_experts, experts.hidden_size,
+                         experts.intermediate_size_per_partition, experts.top_k, MegaMoEUnsupportedError, HINTS)
+    if executor == "reference":
+        if num_ranks != 1:
+            raise MegaMoEUnsupportedError(
+                f"MEGAMOE_EXECUTOR=reference runs the float32 reference on one rank, the EP group has {num_ranks}",
+                "unset MEGAMOE_EXECUTOR (the reference is a test aid) or run on one rank")
+        return
+    capability = None if not device_sm else support.capability_of(device_sm)
+    support.check_device(capability, device_name, MegaMoEUnsupportedError, HINTS)

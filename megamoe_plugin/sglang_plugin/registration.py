@@ -1,0 +1,151 @@
+"""What `register()` does, step by step (see the package docstring).
+
+SGLang logs and swallows whatever a plugin raises at load, so nothing here raises: a
+version or signature the plugin was not written for is recorded (`problem()`), the layer
+hooks are left out, and selecting the backend then fails at argument resolution with
+that reason. The backend choice and the resolution hook are installed in every case, so
+that the user sees our reason rather than argparse's "invalid choice".
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import pkgutil
+import re
+import threading
+from typing import Callable, Dict, Optional, Tuple
+
+from . import BACKEND
+
+logger = logging.getLogger("megamoe_plugin.sglang")
+
+# Written for and tested with 0.5.23; a later 0.5.x is accepted while every hooked
+# function keeps the signature below.
+MIN_VERSION = (0, 5, 23)
+BELOW_VERSION = (0, 6)
+SUPPORTED_RANGE = ">=0.5.23,<0.6"
+
+_MOE = "sglang.srt.layers.moe."
+_ARGS = "sglang.srt.arg_groups."
+# Every SGLang function the plugin wraps or calls, with the parameters it was written for
+# (names, kinds and defaults; annotations are ignored).
+EXPECTED_SIGNATURES: Dict[str, str] = {
+    _MOE + "mega_moe_sm90.build_sm90_mega_moe_experts_weights": "(experts)",
+    _MOE + "mega_moe_sm90.is_sm90_fp8_mega_moe_available": "(experts)",
+    _MOE + "mega_moe_sm90.run_sm90_mega_routed":
+        "(experts, hidden_states, topk_ids, topk_weights, buf, num_tokens, *, hidden_size, activation_clamp=None, "
+        "routed_scaling_factor=1.0)",
+    _MOE + "mega_moe._get_mega_moe_symm_buffer":
+        "(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, num_shared_experts=0, "
+        "*, mma_type, activation='swiglu')",
+    _ARGS + "mega_moe_hook.handle_mega_moe": "(server_args)",
+    _ARGS + "mega_moe_hook.validate_mega_moe_token_budget_for_model": "(server_args)",
+    _ARGS + "mega_moe_hook.validate_mega_moe_token_budget": "(server_args, model_label)",
+    _ARGS + "overrides.declare_resolution": "(server_args, source, **fields)",
+    _ARGS + "resolution_hooks.register_resolution_hook": "(name)",
+}
+
+_lock = threading.RLock()
+_registered = False
+_problem: Optional[str] = None
+
+
+def signature_text(fn: Callable) -> str:
+    """A function's parameters as written in its def, without annotations."""
+    parts, star = [], False
+    params = list(inspect.signature(fn).parameters.values())
+    for i, p in enumerate(params):
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        if p.kind is p.VAR_POSITIONAL:
+            star = True
+        prefix = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
+        default = "" if p.default is p.empty else f"={p.default!r}"
+        parts.append(f"{prefix}{p.name}{default}")
+        if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind is not p.POSITIONAL_ONLY):
+            parts.append("/")
+    return "(" + ", ".join(parts) + ")"
+
+
+def _version_tuple(text: str) -> Tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+
+def version_problem(version: str) -> Optional[str]:
+    v = _version_tuple(version)
+    if not MIN_VERSION <= v < BELOW_VERSION:
+        return f"it was written for sglang {SUPPORTED_RANGE}, this is sglang {version}"
+    return None
+
+
+def signature_problem(resolve: Callable[[str], object] = pkgutil.resolve_name) -> Optional[str]:
+    """The first hooked function that is missing or changed, described; None when all match."""
+    for path, expected in EXPECTED_SIGNATURES.items():
+        try:
+            fn = resolve(path)
+        except (ImportError, AttributeError) as e:
+            return f"sglang has no {path} ({type(e).__name__}: {e})"
+        found = signature_text(fn)
+        if found != expected:
+            return f"sglang's {path} takes {found}, the plugin was written for {expected}"
+    return None
+
+
+def problem() -> Optional[str]:
+    """Why this sglang cannot run the backend (None: it can)."""
+    return _problem
+
+
+def _add_backend_choice() -> None:
+    from sglang.srt.arg_groups.choices import MOE_RUNNER_BACKEND_CHOICES, add_moe_runner_backend_choices
+
+    if BACKEND not in MOE_RUNNER_BACKEND_CHOICES:
+        add_moe_runner_backend_choices([BACKEND])
+
+
+def _install_resolution_hooks() -> None:
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+    from . import resolution
+
+    register_resolution_hook("handle_mega_moe")(resolution.handle_mega_moe)
+    register_resolution_hook("validate_mega_moe_token_budget_for_model")(resolution.validate_token_budget)
+
+
+def _install_layer_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from . import layer
+
+    for target, hook in layer.HOOKS.items():
+        HookRegistry.register(target, hook, HookType.AROUND)
+    # Inside load_plugins() SGLang applies the hooks right after the plugins ran; applying
+    # them here too covers a direct register() call (already patched targets are skipped).
+    HookRegistry.apply_hooks()
+
+
+def register() -> None:
+    global _registered, _problem
+    with _lock:
+        if _registered:
+            return
+        _registered = True
+        try:
+            import sglang
+
+            _problem = version_problem(getattr(sglang, "__version__", "unknown")) or signature_problem()
+            _add_backend_choice()
+            _install_resolution_hooks()
+            if _problem is None:
+                _install_layer_hooks()
+                logger.debug("megamoe_plugin: registered --moe-runner-backend %s", BACKEND)
+            else:
+                logger.error("megamoe_plugin: --moe-runner-backend %s is unavailable: %s", BACKEND, _problem)
+        except Exception as e:  # SGLang would swallow it; keep the reason for the user
+            _problem = f"registering the plugin failed ({type(e).__name__}: {e})"
+            logger.exception("megamoe_plugin: %s", _problem)
+
+
+def is_registered() -> bool:
+    return _registered

@@ -1,0 +1,37 @@
+"""Fixtures for the SGLang plugin tests (CPU machine, real sglang package).
+
+sglang pins another torch than vllm, so these tests run in their own environment (README:
+the second test command); in an environment without sglang every test here is skipped,
+with that reason. NOTE: no __init__.py here: a package named `sglang` would shadow the
+real one.
+"""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+SKIP_REASON = ("sglang is not installed: the SGLang plugin tests run in their own environment "
+               "(README, 'SGLang tests')")
+
+# The vLLM tests' fixture model (config only): a Qwen3-MoE with 128x128 block-FP8 experts.
+FIXTURE_MODEL = Path(__file__).resolve().parents[1] / "vllm" / "fixtures" / "tiny_fp8_moe"
+NUM_EXPERTS, TOPK, HIDDEN, INTERMEDIATE = 8, 2, 256, 128
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAVE_SGLANG:
+        return
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if here in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+
+
+@pytest.fixture(scope="session")
+def registered():
+    from megamoe_plugin.sglang_plugin import register, registration
+
+    register()
+    assert registration.problem() is None, registration.problem()
+    return registration
