@@ -18,13 +18,15 @@ import importlib.metadata
 import math
 import os
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from .buffer import SymmBuffer
 from .heuristics import DEFAULT_NUMERICS
-from .jit import NUM_THREADS, KERNEL_NAME, KernelVariant, compile_variant, compile_variants
+from .jit import (NUM_THREADS, KERNEL_NAME, KernelMissingError, KernelVariant, compile_variant, compile_variants,
+                  missing_variants)
+from .jit.cli import build_command
 from .progress import progress_bar
 from .watchdog import Watchdog
 from .weights import unpack_pair
@@ -386,16 +388,22 @@ def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Ite
 
     On every rank of the buffer's group, before the first call: it ends with a barrier over
     the group, so a rank that had to compile (a cold cache) holds the others here, not
-    inside a kernel whose wait would time out. Returns how many distinct variants it loaded."""
+    inside a kernel whose wait would time out. Returns how many distinct variants it loaded.
+
+    Where nvcc is missing, every variant must be in the cache (a folder pre-built with
+    `python -m megamoe_plugin.jit --build`, as MEGAMOE_CACHE_DIR): else it raises
+    jit.KernelMissingError, which names the missing variants and the command that builds them."""
     _require_sm90(buf.device)
     numerics = resolve_numerics(numerics)
+    num_tokens_list = [int(n) for n in num_tokens_list]
     variants = []
     for n in num_tokens_list:
-        v = select_variant(buf, int(n), fast_math, numerics)
+        v = select_variant(buf, n, fast_math, numerics)
         if v not in variants:
             variants.append(v)
-    progress = progress_bar(len(variants), "megamoe: compiling kernels", "variant")
     missing = [v for v in variants if (buf.device.index, v) not in _kernels]
+    _raise_if_not_buildable(buf, missing, num_tokens_list, numerics, fast_math)
+    progress = progress_bar(len(variants), "megamoe: compiling kernels", "variant")
     for compiled in compile_variants(missing, on_done=lambda v, result: progress.update()):
         if isinstance(compiled, RuntimeError):
             raise compiled
@@ -409,6 +417,18 @@ def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Ite
     if buf.group is not None:
         _group_barrier(buf)
     return len(variants)
+
+
+def _raise_if_not_buildable(buf: SymmBuffer, variants, num_tokens_list: List[int], numerics: str,
+                            fast_math: bool) -> None:
+    """KernelMissingError, before anything is compiled, naming every variant that is neither
+    in the cache nor compilable here (no nvcc) and the --build command for these calls."""
+    unbuildable, why = missing_variants(variants)
+    if unbuildable:
+        s = buf.shape
+        raise KernelMissingError(unbuildable, why, build_command(
+            s.hidden, s.intermediate_size, s.num_experts, s.num_topk, s.num_ranks, num_tokens_list,
+            _device_name(buf.device), (numerics,), fast_math))
 
 
 def _group_barrier(buf: SymmBuffer) -> None:

@@ -1,9 +1,18 @@
 """Run-time specialization of the kernel: nvcc to an sm_90a cubin, cached on disk.
 
-The cache key is a hash of every kernel source, the generated instantiation, the nvcc
-flags and nvcc's version, so a changed header or toolkit never reuses a stale cubin.
+A cache entry is a folder named by the variant and a key, a hash of what the cubin computes:
+every kernel source, the generated instantiation and the nvcc flags. Inside it, one build
+per toolchain, in a folder named by nvcc's version and the CUTLASS headers' version
+(`nvcc13.0.88-cutlass4.2.0`). Where both are found, a variant uses its own toolchain's
+build (compiling it if missing), so a changed source, header or toolkit never reuses a
+stale cubin. Where they are not (a serving container has the driver, not the toolkit), any
+build of the key loads, the newest toolchain first: a cache folder pre-built with
+`python -m megamoe_plugin.jit --build` (megamoe_plugin.jit.build) and copied there as
+MEGAMOE_CACHE_DIR runs without nvcc; a variant it lacks raises KernelMissingError, which
+names the --build command.
+
 Several ranks may compile the same variant at once: each compiles into its own temp
-directory and atomically renames the cubin into place.
+directory and atomically renames the build into place.
 
 `python -m megamoe_plugin.jit --check` compiles every variant the heuristics can pick
 for the reference configs of docs/design.md section 8 (no GPU needed) and prints registers,
@@ -24,7 +33,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 from ..buffer import SIGNAL_WORDS
 from ..heuristics import DEFAULT_NUMERICS, REBALANCED_BLOCK_M, implemented_block_m
@@ -86,8 +95,14 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "megamoe_plugin"
 
 
+# Where the CUDA toolkit is when neither MEGAMOE_NVCC, PATH nor CUDA_HOME says.
+STANDARD_CUDA_HOME = "/usr/local/cuda"
+
+
 def find_nvcc() -> str:
-    for candidate in (os.environ.get("MEGAMOE_NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+    cuda_homes = (os.environ.get("CUDA_HOME"), STANDARD_CUDA_HOME)
+    for candidate in (os.environ.get("MEGAMOE_NVCC"), shutil.which("nvcc"),
+                      *(os.path.join(home, "bin", "nvcc") for home in cuda_homes if home)):
         if candidate and os.path.exists(candidate):
             return candidate
     raise RuntimeError("megamoe: nvcc not found (needed once per kernel variant); install the CUDA toolkit "
@@ -114,6 +129,45 @@ def cutlass_include_dir() -> str:
     return str(Path(cutlass_library.__file__).parent / "source" / "include")
 
 
+@functools.lru_cache(maxsize=None)
+def cutlass_version(include_dir: str) -> str:
+    """The CUTLASS headers' version (cutlass/version.h), e.g. "4.2.0"."""
+    path = Path(include_dir) / "cutlass" / "version.h"
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RuntimeError(f"megamoe: {path} not found: {include_dir} is not a CUTLASS include folder") from exc
+    parts = [re.search(rf"#define CUTLASS_{part}\s+(\d+)", text) for part in ("MAJOR", "MINOR", "PATCH")]
+    if not all(parts):
+        raise RuntimeError(f"megamoe: no CUTLASS_MAJOR/MINOR/PATCH in {path}")
+    return ".".join(m.group(1) for m in parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+    """What compiles a variant: nvcc and the CUTLASS headers."""
+
+    nvcc: str
+    cutlass_include: str
+
+    def build_name(self) -> str:
+        """The folder of this toolchain's build inside a cache entry."""
+        return _file_name_safe(f"nvcc{nvcc_version(self.nvcc)}-cutlass{cutlass_version(self.cutlass_include)}")
+
+
+def _file_name_safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", text)
+
+
+def find_toolchain() -> Tuple[Optional[Toolchain], str]:
+    """(nvcc and the CUTLASS headers, ""), or (None, why not) where either is missing: then
+    nothing here can compile."""
+    try:
+        return Toolchain(find_nvcc(), cutlass_include_dir()), ""
+    except RuntimeError as exc:
+        return None, str(exc)
+
+
 def nvcc_flags() -> List[str]:
     return ["-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
             "-Xptxas=-v", "-lineinfo", "-DNDEBUG"]
@@ -128,12 +182,57 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
-def cache_key(variant: KernelVariant, nvcc: str) -> str:
+def cache_key(variant: KernelVariant) -> str:
+    """What the cubin computes: the kernel sources, the instantiation and the flags (the
+    toolchain names the build inside the entry, so that a lookup needs no toolkit)."""
     h = hashlib.sha256()
-    for part in (_sources_digest(), variant.source(), " ".join(nvcc_flags()), nvcc_version(nvcc)):
+    for part in (_sources_digest(), variant.source(), " ".join(nvcc_flags())):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:24]
+
+
+def entry_dir(variant: KernelVariant) -> Path:
+    """The cache folder of `variant`'s builds."""
+    return cache_dir() / f"{variant.name()}_{cache_key(variant)}"
+
+
+def _version_order(build: Path) -> Tuple:
+    return tuple(int(n) for n in re.findall(r"\d+", build.name))
+
+
+def cached_build(variant: KernelVariant, toolchain: Optional[Toolchain]) -> Optional[Path]:
+    """The build folder (holding kernel.cubin) to load for `variant`: `toolchain`'s own build,
+    or, without a toolchain, the build of the newest toolchain there is; None if none."""
+    entry = entry_dir(variant)
+    if toolchain is not None:
+        build = entry / toolchain.build_name()
+        return build if (build / "kernel.cubin").exists() else None
+    builds = [b for b in entry.iterdir() if (b / "kernel.cubin").exists()] if entry.is_dir() else []
+    return max(builds, key=_version_order) if builds else None
+
+
+class KernelMissingError(RuntimeError):
+    """Variants without a cubin in the cache, where nothing can compile them; the message
+    says how to pre-build them (`command`: `python -m megamoe_plugin.jit --build ...`)."""
+
+    def __init__(self, variants: List[KernelVariant], why: str, command: str):
+        names = ", ".join(v.name() for v in variants)
+        super().__init__(
+            f"megamoe: no cubin for kernel variant(s) {names} in {cache_dir()} (MEGAMOE_CACHE_DIR), and none can be "
+            f"compiled here ({why.removeprefix('megamoe: ')}). Pre-build them on a machine with the CUDA toolkit "
+            f"and megamoe_plugin[cutlass], then copy that folder here as MEGAMOE_CACHE_DIR:\n    {command}")
+        self.variants = variants
+        self.command = command
+
+
+def missing_variants(variants: List[KernelVariant]) -> Tuple[List[KernelVariant], str]:
+    """(the variants that cannot be loaded here, why): those without a cached build where
+    nothing can compile; none where a toolchain is found."""
+    toolchain, why = find_toolchain()
+    if toolchain is not None:
+        return [], ""
+    return [v for v in variants if cached_build(v, None) is None], why
 
 
 @dataclasses.dataclass
@@ -156,38 +255,47 @@ def smem_bytes_of(variant: KernelVariant) -> int:
 
 
 def compile_variant(variant: KernelVariant, verbose: bool = False) -> CompiledKernel:
-    """Returns the cached cubin for `variant`, compiling it first if needed."""
-    nvcc = find_nvcc()
-    key = cache_key(variant, nvcc)
-    out_dir = cache_dir() / f"{variant.name()}_{key}"
-    cubin = out_dir / "kernel.cubin"
-    log_path = out_dir / "ptxas.log"
-    if cubin.exists():
-        return CompiledKernel(variant, cubin, log_path.read_text() if log_path.exists() else "")
+    """Returns the cached cubin for `variant`, compiling it first if needed (and possible:
+    else KernelMissingError)."""
+    toolchain, why = find_toolchain()
+    build = cached_build(variant, toolchain)
+    if build is None and toolchain is None:
+        from .cli import build_command
 
-    cache_dir().mkdir(parents=True, exist_ok=True)
+        raise KernelMissingError([variant], why, build_command(
+            variant.hidden, variant.intermediate_size, variant.num_experts, variant.num_topk, variant.num_ranks,
+            numerics=(variant.numerics,), fast_math=variant.fast_math))
+    if build is None:
+        build = _compile(variant, toolchain, verbose)
+    log_path = build / "ptxas.log"
+    return CompiledKernel(variant, build / "kernel.cubin", log_path.read_text() if log_path.exists() else "")
+
+
+def _compile(variant: KernelVariant, toolchain: Toolchain, verbose: bool) -> Path:
+    entry = entry_dir(variant)
+    build = entry / toolchain.build_name()
+    entry.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".build_") as tmp:
         tmp = Path(tmp)
         src = tmp / "kernel.cu"
         src.write_text(variant.source())
-        cmd = [nvcc, *nvcc_flags(), "-cubin", "-I", str(CSRC_DIR), "-I", cutlass_include_dir(), "-o",
+        cmd = [toolchain.nvcc, *nvcc_flags(), "-cubin", "-I", str(CSRC_DIR), "-I", toolchain.cutlass_include, "-o",
                str(tmp / "kernel.cubin"), str(src)]
         if verbose:
             print(f"megamoe: compiling {variant.name()} ...", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"megamoe: nvcc failed for {variant.name()}:\n{proc.stderr[-8000:]}")
-        (tmp / "ptxas.log").write_text(proc.stderr)
         staged = tmp / "final"
         staged.mkdir()
         shutil.move(str(tmp / "kernel.cubin"), staged / "kernel.cubin")
-        shutil.move(str(tmp / "ptxas.log"), staged / "ptxas.log")
+        (staged / "ptxas.log").write_text(proc.stderr)
         try:
-            os.rename(staged, out_dir)  # atomic; loses harmlessly to a concurrent compile
+            os.rename(staged, build)  # atomic; loses harmlessly to a concurrent compile
         except OSError:
-            if not cubin.exists():
+            if not (build / "kernel.cubin").exists():
                 raise
-    return CompiledKernel(variant, cubin, log_path.read_text())
+    return build
 
 
 def compile_variants(variants: List[KernelVariant], verbose: bool = False,
@@ -293,21 +401,3 @@ def reference_variants() -> List[KernelVariant]:
             stages = default_num_stages(block_m, num_local_experts, hidden, inter, numerics=numerics)
             variants.append(KernelVariant(hidden, inter, topk, num_local_experts, 1, block_m, stages, True, numerics))
     return variants
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m megamoe_plugin.jit", description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="compile every reference variant and report resources")
-    parser.add_argument("--limit", type=int, default=0, help="compile only the first N variants")
-    args = parser.parse_args(argv)
-    if not args.check:
-        parser.print_help()
-        return 2
-    variants = reference_variants()
-    if args.limit:
-        variants = variants[: args.limit]
-    failures = check_variants(variants)
-    print(f"{len(variants) - failures} passed, {failures} failed")
-    return 1 if failures else 0

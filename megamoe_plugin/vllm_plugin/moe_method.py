@@ -199,6 +199,10 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
         max_tokens = max([max_tokens] + sizes)
         clamp = getattr(self.moe, "swiglu_limit", None)
         self.runtime = LayerRuntime(self.moe, self.executor_name, max_tokens, sizes, clamp)
+        if self.executor_name == "kernel":
+            rt = self.runtime
+            refusals.check_kernels_loadable(rt.hidden, rt.intermediate, rt.num_experts, rt.topk, rt.group.world_size,
+                                            max_tokens, rt.numerics)
 
     # ------------------------------------------------------------------ weights
 

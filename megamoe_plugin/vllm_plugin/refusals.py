@@ -260,6 +260,41 @@ def check_device() -> None:
     support.check_device(capability, name, MegaMoEUnsupportedError, HINTS)
 
 
+# (shape, EP size, max tokens, numerics, GPU) -> the variants of those calls (every MoE layer
+# of a model asks for the same ones).
+_layer_variants: Dict[Tuple, list] = {}
+
+
+def check_kernels_loadable(hidden: int, intermediate_size: int, num_experts: int, num_topk: int, ep_size: int,
+                           max_tokens: int, numerics: Optional[str]) -> None:
+    """Where nothing can compile (no nvcc: a serving container with the driver only), every
+    kernel variant a step of this layer can select (any batch of 0..max_tokens tokens per
+    rank) must be in the cache, or the first forward would fail: refused here, naming the
+    --build command that pre-builds them."""
+    from .. import jit
+    from ..jit.build import deployment_variants
+    from ..jit.cli import build_command
+    from ..model_config import MoEShape
+    from ..ops import resolve_numerics
+
+    if jit.find_toolchain()[0] is not None:
+        return
+    mode, gpu = resolve_numerics(numerics), _probe.device_name()
+    key = (hidden, intermediate_size, num_experts, num_topk, ep_size, max_tokens, mode, gpu)
+    if key not in _layer_variants:
+        _layer_variants[key] = deployment_variants(MoEShape(hidden, intermediate_size, num_experts, num_topk),
+                                                   ep_size, range(max_tokens + 1), gpu, (mode,))
+    missing, why = jit.missing_variants(_layer_variants[key])
+    if missing:
+        command = build_command(hidden, intermediate_size, num_experts, num_topk, ep_size, range(max_tokens + 1), gpu)
+        raise MegaMoEUnsupportedError(
+            f"{len(missing)} of the {len(_layer_variants[key])} kernel variants this layer can run are not in the "
+            f"cache {jit.cache_dir()} (MEGAMOE_CACHE_DIR): {', '.join(v.name() for v in missing)}; none can be "
+            f"compiled here ({why.removeprefix('megamoe: ')})",
+            "pre-build them on a machine with the CUDA toolkit and megamoe_plugin[cutlass], then copy that folder "
+            f"here as MEGAMOE_CACHE_DIR (or install the toolkit here): {command}")
+
+
 def check_ep_topology(group_key: object) -> EPTopology:
     """EP ranks must share one node and have peer access to each other's GPUs."""
     topo = _cached_topology(group_key)

@@ -1,0 +1,147 @@
+"""`python -m megamoe_plugin.jit`: --check (the reference variants' resources) and --build
+(pre-build the cubins a deployment needs, for a machine without nvcc)."""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from typing import Iterable, List, Optional, Sequence
+
+from ..heuristics import NUMERICS_MODES
+
+PROG = "python -m megamoe_plugin.jit"
+DEFAULT_BATCH_SIZES = "0-8192"
+DEFAULT_GPU = "NVIDIA H200"
+
+
+def parse_batch_sizes(text: str) -> List[int]:
+    """"1,8,64" or ranges "0-512" (every count in it), mixed: the sorted distinct counts."""
+    counts = set()
+    for item in text.split(","):
+        low, sep, high = item.strip().partition("-")
+        if not (low.isdigit() and (not sep or high.isdigit())):
+            raise ValueError(f"batch sizes: {item!r} is neither a count nor a range A-B")
+        counts.update(range(int(low), int(high if sep else low) + 1))
+    if not counts:
+        raise ValueError(f"batch sizes: {text!r} names no count")
+    return sorted(counts)
+
+
+def format_batch_sizes(counts: Iterable[int]) -> str:
+    """parse_batch_sizes' inverse, runs of consecutive counts as ranges."""
+    runs: List[List[int]] = []
+    for n in sorted(set(counts)):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def build_command(hidden: int, intermediate_size: int, num_experts: int, num_topk: int, ep_size: int,
+                  batch_sizes: Optional[Iterable[int]] = None, gpu: Optional[str] = None,
+                  numerics: Sequence[str] = NUMERICS_MODES, fast_math: bool = True) -> str:
+    """The --build command line that pre-builds these variants into the current cache folder
+    (what a KernelMissingError says to run)."""
+    from . import cache_dir
+
+    args = [*PROG.split(), "--build", "--hidden", str(hidden), "--intermediate-size", str(intermediate_size),
+            "--num-experts", str(num_experts), "--topk", str(num_topk), "--ep-size", str(ep_size)]
+    if batch_sizes is not None:
+        args += ["--batch-sizes", format_batch_sizes(batch_sizes)]
+    if gpu is not None and gpu != DEFAULT_GPU:
+        args += ["--gpu", gpu]
+    if tuple(numerics) != NUMERICS_MODES:
+        args += ["--numerics", ",".join(numerics)]
+    if not fast_math:
+        args.append("--no-fast-math")
+    args += ["--cache-dir", str(cache_dir())]
+    return shlex.join(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    from ..model_config import add_shape_arguments
+
+    p = argparse.ArgumentParser(
+        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Compile the kernel's variants ahead of time (nvcc, no GPU needed).",
+        epilog=f"""examples:
+  {PROG} --check                     resources of every reference variant
+  {PROG} --build --model /models/DeepSeek-V3 --ep-size 8 --cache-dir ./megamoe-cache
+  {PROG} --build --hidden 2048 --intermediate-size 768 --num-experts 128 --topk 8 --batch-sizes 1-512
+
+--build compiles every variant that the runtime's selection (the GPU's tuned table, else
+the heuristics; MEGAMOE_BLOCK_M / MEGAMOE_NUM_STAGES as set) picks for the shape on
+--ep-size ranks at each batch size, in each numerics mode. Copy the folder to the serving
+machine and point MEGAMOE_CACHE_DIR at it: the kernel then loads without nvcc.""")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--check", action="store_true",
+                      help="compile every reference variant (docs/design.md section 8) and print its registers, "
+                           "spills, stack frame and shared memory; exit 1 on a spill or compile error")
+    mode.add_argument("--build", action="store_true",
+                      help="compile the variants a model's MoE shape needs into --cache-dir")
+    p.add_argument("--limit", type=int, default=0, help="--check: compile only the first N variants")
+    add_shape_arguments(p, required=True)
+    b = p.add_argument_group("--build")
+    b.add_argument("--ep-size", type=int, default=1,
+                   help="expert-parallel ranks the model is served on (vLLM: data-parallel x tensor-parallel size) "
+                        "(default: %(default)s)")
+    b.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES,
+                   help="tokens per rank per step to build for, comma-separated counts and ranges A-B; a server "
+                        "meets every count up to its max-num-batched-tokens (default: %(default)s)")
+    b.add_argument("--numerics", default=",".join(NUMERICS_MODES),
+                   help="comma-separated numerics modes (docs/design.md section 2; vLLM runs exact under "
+                        "VLLM_BATCH_INVARIANT=1) (default: %(default)s)")
+    b.add_argument("--gpu", default=DEFAULT_GPU,
+                   help="the serving GPU's name as torch.cuda.get_device_name() says it: its tuned table in "
+                        "configs/ picks the variants (default: %(default)s)")
+    b.add_argument("--no-fast-math", dest="fast_math", action="store_false",
+                   help="build the variants of calls with fast_math=False (the op's IEEE SwiGLU option) instead "
+                        "of the default fast_math=True, which vLLM runs")
+    b.add_argument("--cache-dir", help="the cache folder to build into (default: MEGAMOE_CACHE_DIR, else "
+                                       "~/.cache/megamoe_plugin)")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from . import check_variants, reference_variants
+
+    p = parser()
+    args = p.parse_args(argv)
+    if args.check:
+        variants = reference_variants()
+        if args.limit:
+            variants = variants[: args.limit]
+        failures = check_variants(variants)
+        print(f"{len(variants) - failures} passed, {failures} failed")
+        return 1 if failures else 0
+
+    from ..model_config import shape_from_args
+    from . import find_toolchain
+    from .build import build_variants, deployment_variants
+
+    shape = shape_from_args(args, p, required=True)
+    if find_toolchain()[0] is None:
+        p.exit(1, f"{PROG} --build: {find_toolchain()[1].removeprefix('megamoe: ')}\n")
+    numerics = tuple(args.numerics.split(","))
+    unknown = [mode for mode in numerics if mode not in NUMERICS_MODES]
+    if unknown:
+        p.error(f"--numerics: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(NUMERICS_MODES)}")
+    try:
+        counts = parse_batch_sizes(args.batch_sizes)
+        variants = deployment_variants(shape, args.ep_size, counts, args.gpu, numerics, args.fast_math)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.cache_dir:
+        os.environ["MEGAMOE_CACHE_DIR"] = args.cache_dir  # where jit.cache_dir() looks, in this process
+    print(f"{shape.describe()}, EP {args.ep_size}, {len(counts)} batch sizes, {', '.join(numerics)} numerics "
+          f"on {args.gpu}: {len(variants)} variants", flush=True)
+    failures = build_variants(variants)
+    from . import cache_dir
+
+    for variant, error in failures:
+        print(f"{variant.name()}: {error}", file=sys.stderr)
+    print(f"{len(variants) - len(failures)} of {len(variants)} variants built in {cache_dir()}; serve with "
+          f"MEGAMOE_CACHE_DIR={shlex.quote(str(cache_dir()))}")
+    return 1 if failures else 0

@@ -1,0 +1,175 @@
+"""A cache pre-built with `python -m megamoe_plugin.jit --build` loads where nvcc is not
+(a serving container), and a variant it lacks fails before any launch with the command
+that builds it. One small variant is really compiled (nvcc is on CI's machine); the rest
+of the cache is laid out by hand where only its lookup is under test."""
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import megamoe_plugin as mm
+from megamoe_plugin import jit, ops, progress
+from megamoe_plugin.jit import cli
+from megamoe_plugin.jit.build import deployment_variants
+from megamoe_plugin.model_config import MoEShape, shape_from_args
+
+HAVE_NVCC = shutil.which("nvcc") is not None or os.path.exists(os.path.join(jit.STANDARD_CUDA_HOME, "bin", "nvcc"))
+TINY = MoEShape(hidden=384, intermediate_size=256, num_experts=4, num_topk=2, name="tiny")
+TINY_ARGS = ["--hidden", "384", "--intermediate-size", "256", "--num-experts", "4", "--topk", "2"]
+
+
+@pytest.fixture
+def fresh_toolchain():
+    """The toolchain look-ups are memoized per process: forget what a test changed."""
+    memoized = (jit.cutlass_include_dir, jit.cutlass_version, jit.nvcc_version)
+    for fn in memoized:
+        fn.cache_clear()
+    yield
+    for fn in memoized:
+        fn.cache_clear()
+
+
+def build_command_variants(command):
+    """The variants the printed --build command line compiles."""
+    argv = shlex.split(command)
+    assert argv[:4] == ["python", "-m", "megamoe_plugin.jit", "--build"]
+    parser = cli.parser()
+    args = parser.parse_args(argv[3:])
+    shape = shape_from_args(args, parser, required=True)
+    return args, deployment_variants(shape, args.ep_size, cli.parse_batch_sizes(args.batch_sizes), args.gpu,
+                                     tuple(args.numerics.split(",")), args.fast_math)
+
+
+def test_cache_key_needs_no_toolkit_and_each_toolchain_has_its_build(jit_cache, fresh_toolchain, fake_build,
+                                                                      monkeypatch, tmp_path):
+    """The entry is found from the sources, instantiation and flags alone; inside it, the
+    build is per toolchain, so new CUTLASS headers (or a new nvcc) do not reuse an old cubin
+    where they can compile, while a machine without them takes the newest build there is."""
+    variant = jit.KernelVariant(384, 256, 2, 4, 1, 8, 2, True)
+    include = tmp_path / "cutlass" / "include"
+    (include / "cutlass").mkdir(parents=True)
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
+    nvcc.chmod(0o755)
+    old, new = fake_build(variant, "nvcc12.8.93-cutlass4.2.0"), fake_build(variant, "nvcc12.8.93-cutlass4.10.1")
+    monkeypatch.setenv("MEGAMOE_NVCC", str(nvcc))
+    monkeypatch.setenv("MEGAMOE_CUTLASS_INCLUDE", str(include))
+    for version, expected in (("4 2 0", old), ("4 10 1", new), ("4 3 0", None)):
+        (include / "cutlass" / "version.h").write_text("".join(
+            f"#define CUTLASS_{part} {n}\n" for part, n in zip(("MAJOR", "MINOR", "PATCH"), version.split())))
+        jit.cutlass_version.cache_clear()  # the same include folder, other headers
+        toolchain, _ = jit.find_toolchain()
+        assert toolchain.build_name() == f"nvcc12.8.93-cutlass{version.replace(' ', '.')}"
+        assert jit.cached_build(variant, toolchain) == expected
+    assert jit.cached_build(variant, None) == new  # 4.10.1 is newer than 4.2.0 (numbers, not text)
+    assert jit.entry_dir(variant) == jit_cache / f"{variant.name()}_{jit.cache_key(variant)}"
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not installed: the pre-build compiles one small variant")
+def test_build_then_load_without_nvcc(jit_cache, fresh_toolchain, request):
+    """--build compiles what the runtime selects for a tiny shape at one batch size; with nvcc
+    hidden, the op layer's lookup then hands out that cubin."""
+    proc = subprocess.run([sys.executable, "-m", "megamoe_plugin.jit", "--build", *TINY_ARGS, "--batch-sizes", "1",
+                           "--numerics", "fast", "--cache-dir", str(jit_cache)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 of 1 variants built in " + str(jit_cache) in proc.stdout
+    (variant,) = deployment_variants(TINY, 1, [1], cli.DEFAULT_GPU, ("fast",))
+    toolchain, _ = jit.find_toolchain()
+    built = jit.cached_build(variant, toolchain)
+    assert built is not None and built.parent == jit.entry_dir(variant)
+
+    request.getfixturevalue("no_nvcc")
+    compiled = jit.compile_variant(variant)
+    assert compiled.cubin == built / "kernel.cubin"
+    cubin = compiled.cubin.read_bytes()
+    assert cubin[:4] == b"\x7fELF" and jit.KERNEL_NAME.encode() in cubin
+    assert "Used" in compiled.ptxas_log  # --check's report works from the pre-built cache too
+    other = jit.KernelVariant(384, 256, 2, 4, 1, 16, 2, True)
+    assert jit.missing_variants([variant, other]) == ([other], "megamoe: nvcc not found (needed once per kernel "
+                                                               "variant); install the CUDA toolkit or set MEGAMOE_NVCC")
+
+
+def test_missing_variant_without_nvcc_names_the_build_command(jit_cache, no_nvcc):
+    variant = jit.KernelVariant(384, 256, 2, 4, 1, 16, 2, True, "exact")
+    with pytest.raises(jit.KernelMissingError) as info:
+        jit.compile_variant(variant)
+    message = str(info.value)
+    assert variant.name() in message and str(jit_cache) in message and "nvcc not found" in message
+    args, variants = build_command_variants(info.value.command)
+    assert variant in variants and args.numerics == "exact" and args.cache_dir == str(jit_cache)
+
+
+def test_warmup_without_nvcc_fails_before_compiling_and_says_how_to_build(jit_cache, no_nvcc, fake_build,
+                                                                          monkeypatch):
+    """ops.warmup names every variant its batch sizes select that the cache lacks, in one
+    error, and its command builds exactly what was missing (for this GPU's table)."""
+    monkeypatch.setattr(ops, "_require_sm90", lambda device: None)
+    monkeypatch.setattr(ops, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(ops, "_grid_size", lambda buf: 132)
+    compiled = []
+    monkeypatch.setattr(jit, "compile_variant", lambda variant, verbose=False: compiled.append(variant))
+    buf = mm.get_symm_buffer(None, 4, 64, 2, 384, 256, device="cpu")
+    counts = [1, 2, 3, 64]
+    selected = list(dict.fromkeys(ops.select_variant(buf, n, True, "fast") for n in counts))
+    assert len(selected) > 1
+    fake_build(selected[0])
+    with pytest.raises(jit.KernelMissingError) as info:
+        ops.warmup(buf, None, None, counts, numerics="fast")
+    assert info.value.variants == selected[1:] and not compiled
+    args, variants = build_command_variants(info.value.command)
+    assert (args.gpu, args.batch_sizes, args.numerics) == ("NVIDIA H100 80GB HBM3", "1-3,64", "fast")
+    assert variants == selected
+
+
+def test_build_cli_compiles_the_selected_variants_with_progress(jit_cache, monkeypatch, capsys):
+    """In both numerics modes by default, for an EP size, from a config.json; each variant
+    once; the summary names the folder to serve from."""
+    import json
+
+    config = jit_cache.parent / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                                  "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8}))
+    built = []
+    monkeypatch.setattr(jit, "find_toolchain", lambda: (object(), ""))
+    monkeypatch.setattr(jit, "compile_variant", lambda variant, verbose=False: built.append(variant))
+    monkeypatch.setattr("megamoe_plugin.jit.build.progress_bar",
+                        lambda total, desc, unit: progress._Lines(total, desc, unit))
+    assert cli.main(["--build", "--model", str(config), "--ep-size", "2", "--batch-sizes", "0-512",
+                     "--cache-dir", str(jit_cache)]) == 0
+    shape = MoEShape(2048, 768, 128, 8)
+    expected = deployment_variants(shape, 2, range(513), cli.DEFAULT_GPU)
+    assert sorted(built, key=expected.index) == expected and len(set(built)) == len(built)
+    assert {v.numerics for v in built} == {"fast", "exact"} and {v.num_ranks for v in built} == {2}
+    out, err = capsys.readouterr()
+    assert f"megamoe: building kernels: {len(expected)}/{len(expected)} variants" in err
+    assert f"{len(expected)} of {len(expected)} variants built in {jit_cache}" in out
+    assert f"MEGAMOE_CACHE_DIR={jit_cache}" in out
+
+
+def test_build_without_a_toolchain_is_one_line(jit_cache, no_nvcc):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(mm.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    script = ("import sys; from megamoe_plugin import jit; jit.STANDARD_CUDA_HOME = sys.argv[1]; "
+              "from megamoe_plugin.jit.cli import main; sys.exit(main(sys.argv[2:]))")
+    proc = subprocess.run([sys.executable, "-c", script, str(no_nvcc), "--build", *TINY_ARGS],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == ["python -m megamoe_plugin.jit --build: nvcc not found (needed once per kernel "
+                                        "variant); install the CUDA toolkit or set MEGAMOE_NVCC"]
+
+
+@pytest.mark.parametrize("text, counts", [("8", [8]), ("0-3,8,2", [0, 1, 2, 3, 8]), (" 1 , 4-5", [1, 4, 5])])
+def test_batch_sizes(text, counts):
+    assert cli.parse_batch_sizes(text) == counts
+    assert cli.parse_batch_sizes(cli.format_batch_sizes(counts)) == counts
+
+
+@pytest.mark.parametrize("text", ["", "a", "1-", "-4", "3-1x"])
+def test_bad_batch_sizes(text):
+    with pytest.raises(ValueError, match="batch sizes"):
+        cli.parse_batch_sizes(text)
