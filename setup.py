@@ -61,7 +61,9 @@ setup(
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
         # pytest-timeout: tools/gpu_check.sh bounds each GPU test with --timeout.
-        "test": ["pytest>=7", "pytest-timeout>=2", "pybind11>=2.10", "setuptools>=64", "wheel"],
+        # matplotlib: the benchmark's plot (tests/test_bench.py draws one from fake timings).
+        "test": ["pytest>=7", "pytest-timeout>=2", "pybind11>=2.10", "setuptools>=64", "wheel", "matplotlib"],
+        "bench": ["matplotlib", "tqdm"],  # megamoe-bench's plot and progress bar (both optional)
         "vllm": ["vllm>=0.24"],
         # Its own environment: sglang and vllm pin different torch versions (docs/sglang.md).
         "sglang": ["sglang>=0.5.23,<0.6"],
@@ -70,6 +72,7 @@ setup(
     entry_points={
         "vllm.general_plugins": ["megamoe_sm90 = megamoe_plugin.vllm_plugin:register"],
         "sglang.srt.plugins": ["megamoe_sm90 = megamoe_plugin.sglang_plugin:register"],
+        "console_scripts": ["megamoe-bench = megamoe_plugin.bench.cli:main"],
     },
     zip_safe=False,
 )

@@ -11,29 +11,19 @@ every replay, median of --iters.
     python benchmarks/bench_vs_vllm.py [--tokens 1,8,64,256,512] [--hidden 2048 --inter 768 --experts 128 --topk 8]
 """
 import argparse
-import functools
 import importlib.util
 import sys
 
 import torch
 
 import megamoe_plugin as mm
-from bench_kernel import measure_fp8_rate, measure_hbm_bandwidth, rank_floor, require_sm90_gpu
+from megamoe_plugin.bench.baselines import vllm_triton_moe
+from megamoe_plugin.bench.cli import require_sm90_gpu
+from megamoe_plugin.bench.floors import Ceilings, measure_fp8_rate, measure_hbm_bandwidth, rank_floor
 from megamoe_plugin.fp8 import quantize_per_token_group
 from megamoe_plugin.reference import calc_diff, mega_moe, token_rel_errors
 from megamoe_plugin.testing import random_layer, random_routing
 from megamoe_plugin.timing import graphed, l2_flusher, median_call_seconds
-
-
-def vllm_triton_moe(layer, block=128):
-    """fused_experts(hidden, topk_weights, topk_ids) with the layer's checkpoint weights."""
-    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
-    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
-
-    ckpt = layer.checkpoint
-    quant = fp8_w8a8_moe_quant_config(w1_scale=ckpt["w13_scale"], w2_scale=ckpt["w2_scale"],
-                                      block_shape=[block, block])
-    return functools.partial(fused_experts, w1=ckpt["w13"], w2=ckpt["w2"], quant_config=quant)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -61,7 +51,7 @@ def main():
     bandwidth, fp8_rate = measure_hbm_bandwidth(), measure_fp8_rate()
     flush = l2_flusher()
     layer = random_layer(num_experts, h, inter, "cuda", gen)
-    triton_moe = vllm_triton_moe(layer)
+    triton_moe = vllm_triton_moe(layer.checkpoint)
     buf = mm.get_symm_buffer(None, num_experts, max(tokens_list), topk, h, inter)
     mm.ops.warmup(buf, layer.l1, layer.l2, tokens_list)
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, FP8 GEMM {fp8_rate / 1e12:.0f} TFLOP/s; "
@@ -79,7 +69,7 @@ def main():
             mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
 
         def vllm():
-            return triton_moe(hidden, topk_weights=weights, topk_ids=idx.to(torch.int32))
+            return triton_moe(hidden, idx, weights)
 
         megamoe()
         y_vllm = vllm()
@@ -90,7 +80,7 @@ def main():
 
         t_mm = median_call_seconds(graphed(megamoe), args.iters, flush)
         t_vllm = median_call_seconds(graphed(vllm), args.iters, flush)
-        floor, _ = rank_floor([idx.cpu()], 0, 1, h, inter, (bandwidth, fp8_rate, float("inf")), num_experts)
+        floor, _ = rank_floor([idx.cpu()], 0, 1, h, inter, Ceilings(bandwidth, fp8_rate), num_experts)
         print(f"{n:6d} | {t_mm * 1e6:10.1f} {t_vllm * 1e6:8.1f} {floor * 1e6:8.1f} {t_mm / floor:8.2f} "
               f"{t_vllm / t_mm:7.2f} | " + ", ".join(f"{d:.1e}/{r:.1e}" for d, r in errors), flush=True)
 

@@ -22,9 +22,8 @@ heuristic's stage count and at MAX_STAGES / 2; --tiers and --stages replace thos
 Every candidate variant is compiled first, in parallel, so no compile lands between
 timings; --compile-only stops there (nvcc needs no GPU: precompile on a CPU machine and
 carry MEGAMOE_CACHE_DIR), --dry-run prints the candidates and the number of timed runs.
-Each candidate is timed as benchmarks/bench_kernel.py times the kernel
-(megamoe_plugin.timing): the call captured in a CUDA graph, L2 flushed before every
-replay, median of --iters replays.
+Each candidate is timed through megamoe_plugin.timing:
+the call captured in a CUDA graph, L2 flushed before every replay, median of --iters replays.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call: install the package, run the GPU tests, then the benchmark.
 # Usage (device tool, carry [".jitcache", ".whl"]): bash tools/gpu_check.sh [pytest args...]
-# Env: BENCH_ARGS (passed to benchmarks/bench_kernel.py; BENCH=0 skips it), TEST=0 skips tests,
+# Env: BENCH_ARGS (passed to python -m megamoe_plugin.bench, which writes its JSON and plot to $OUT/bench;
+#      BENCH=0 skips it), TEST=0 skips tests,
 #      PHASES=1 adds tools/phase_times.py (PHASES_ARGS), NCU=1 adds an Nsight Compute report of
 #      one config (NCU_ARGS, default "--configs v4flash --tokens 1"), per phase, with the
 #      shared-memory tables (wavefronts, bank conflicts) and the pipe utilization (tensor);
@@ -32,7 +33,7 @@ if [ "${TEST:-1}" != 0 ]; then
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -s -rs --timeout 300 tests/gpu tests/test_staging.py "$@" 2>&1 | tee "$OUT/tests.log"; rc=$?
 fi
 if [ "${BENCH:-1}" != 0 ]; then
-  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_kernel.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m megamoe_plugin.bench --results "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 fi
 if [ "${SOAK:-0}" != 0 ]; then
   timeout "${SOAK_TIMEOUT:-300}" python3 tools/soak.py ${SOAK_ARGS:-} 2>&1 | tee "$OUT/soak.log" || rc=1

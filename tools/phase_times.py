@@ -13,16 +13,13 @@ the hardware counters of exactly those launches (leave the clocks alone):
 """
 import argparse
 import functools
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import megamoe_plugin as mm  # noqa: E402
-from bench_kernel import CONFIGS, LOCAL_EXPERTS  # noqa: E402
-from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer, reset_after_stopped_call  # noqa: E402
-from megamoe_plugin.timing import l2_flusher, median_call_seconds  # noqa: E402
+import megamoe_plugin as mm
+from megamoe_plugin.bench.cli import CONFIGS, LOCAL_EXPERTS
+from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer, reset_after_stopped_call
+from megamoe_plugin.timing import l2_flusher, median_call_seconds
 
 PHASES = [(2, "count+list+rank barrier"), (4, "layout+pull"), (5, "L1 GEMM+epilogue"), (6, "L2 GEMM+scatter"),
           (0, "combine")]

@@ -87,7 +87,7 @@ def variants():
     for num_ranks in (1, 2):
         out += call_variants(num_ranks, local_experts * num_ranks, topk, hidden, inter, max_tokens,
                              132 // num_ranks, (True,))
-    # benchmarks/bench_kernel.py on one GPU (every reference shape, as `python -m megamoe_plugin.tune` and
+    # python -m megamoe_plugin.bench on one GPU (every reference shape, as `python -m megamoe_plugin.tune` and
     # benchmarks/bench_vs_vllm.py's e2e layer) and under torchrun on two GPUs (v3, v4flash).
     from megamoe_plugin.configs import REFERENCE_SHAPES
 

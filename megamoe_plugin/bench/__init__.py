@@ -1,0 +1,3 @@
+"""`python -m megamoe_plugin.bench` (console script `megamoe-bench`): the kernel's time
+against its floor and against the path a user would otherwise run, on one GPU or on R
+GPUs under torchrun, as a table, a JSON file and a plot (megamoe_plugin.bench.cli)."""

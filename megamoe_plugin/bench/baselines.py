@@ -1,0 +1,151 @@
+"""The MoE a user would run instead of megamoe, timed beside it: vLLM's Triton fused MoE
+(`fused_experts` with 128x128 block-FP8 weights) where vllm is importable, else an
+unfused torch path over the same checkpoint-layout weights:
+
+    per-token-group FP8 quant of the BF16 input
+    per expert: L1 GEMM (FP8, block scales), SwiGLU times the routing weight, FP8 requant
+                per 128 columns, L2 GEMM, BF16
+    combine: the float32 sum of each token's slots
+
+Its GEMMs are torch._scaled_mm with 1x128 activation and 128x128 weight block scales
+where this torch and GPU run them (checked against the dequantized product at set-up),
+else BF16 matmuls of the weights dequantized once. Every baseline takes (hidden_states
+bf16 [n, H], topk_idx int64 [n, K], topk_weights float32 [n, K]) and returns bf16 [n, H].
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..fp8 import dequantize_per_token_group, dequantize_weight_blocks, quantize_per_token_group, requantize_groups
+
+BLOCK = 128
+BASELINES = ("auto", "vllm", "torch", "none")
+
+# gemm(a fp8 [M, K], a_sf f32 [M, K/128], expert index, which of "w13" / "w2") -> float32 [M, N]
+Gemm = Callable[[torch.Tensor, torch.Tensor, int, str], torch.Tensor]
+
+
+class UnfusedTorchMoE:
+    """The unfused torch path of the module docstring, for one GPU's (or CPU's) experts."""
+
+    def __init__(self, checkpoint: Dict[str, torch.Tensor], use_scaled_mm: Optional[bool] = None):
+        """use_scaled_mm: None tries torch._scaled_mm's block scales and falls back to
+        dequantized BF16 matmuls (`self.gemm_name` says which, and why)."""
+        self.checkpoint = checkpoint
+        self.num_experts = checkpoint["w13"].shape[0]
+        self._dequantized: Dict[str, torch.Tensor] = {}
+        self.scale_layout, problem = (None, "not tried") if use_scaled_mm is False else find_scale_layout(checkpoint)
+        if use_scaled_mm and self.scale_layout is None:
+            raise RuntimeError(f"torch._scaled_mm with block scales does not run here: {problem}")
+        if self.scale_layout is not None:
+            self.gemm: Gemm = self._scaled_mm_gemm
+            self.gemm_name = "torch._scaled_mm, block scales"
+        else:
+            self.gemm = self._dequantized_gemm
+            self.gemm_name = "BF16 matmuls of dequantized weights" + (
+                "" if use_scaled_mm is False else f" (torch._scaled_mm: {problem})")
+
+    def _scaled_mm_gemm(self, a, a_sf, expert, name):
+        w, w_sf = self.checkpoint[name][expert], self.checkpoint[f"{name}_scale"][expert]
+        return _block_scaled_mm(a, a_sf, w, w_sf, self.scale_layout).float()
+
+    def _dequantized_gemm(self, a, a_sf, expert, name):
+        if name not in self._dequantized:  # once: every call reads the same weights
+            w, w_sf = self.checkpoint[name], self.checkpoint[f"{name}_scale"]
+            self._dequantized[name] = torch.stack([dequantize_weight_blocks(w[e], w_sf[e]).to(torch.bfloat16)
+                                                   for e in range(self.num_experts)])
+        a = dequantize_per_token_group(a, a_sf).to(torch.bfloat16)
+        return (a @ self._dequantized[name][expert].T).float()
+
+    def __call__(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+                 ) -> torch.Tensor:
+        num_tokens, topk = topk_idx.shape
+        x, x_sf = quantize_per_token_group(hidden_states)
+        y = torch.zeros(num_tokens, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device)
+        slots = topk_idx.reshape(-1)
+        by_expert = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots + 1, minlength=self.num_experts + 1).tolist()  # slot -1 first
+        weights = topk_weights.reshape(-1)
+        for expert, entries in enumerate(torch.split(by_expert, counts)[1:]):
+            if entries.numel() == 0:
+                continue
+            tokens = entries // topk
+            gate, up = self.gemm(x[tokens], x_sf[tokens], expert, "w13").chunk(2, dim=1)
+            act, act_sf = requantize_groups(F.silu(gate) * up * weights[entries].unsqueeze(1), BLOCK)
+            y.index_add_(0, tokens, self.gemm(act, act_sf, expert, "w2").to(torch.bfloat16).float())
+        return y.to(torch.bfloat16)
+
+
+# How the scales are laid out for torch._scaled_mm: (a's [M, K/128] scales column-major,
+# w's [K/128, N/128] scales contiguous). torch's blockwise kernels want particular strides and
+# their documentation does not say which, so set-up tries each and keeps the first that is right.
+SCALE_LAYOUTS = ((True, False), (True, True), (False, False), (False, True))
+
+
+def _block_scaled_mm(a, a_sf, w, w_sf, layout: Tuple[bool, bool]) -> torch.Tensor:
+    """a [M, K] @ w[N, K].T with a's 1x128 and w's 128x128 block scales, in one GEMM."""
+    a_col_major, b_contiguous = layout
+    scale_a = a_sf.t().contiguous().t() if a_col_major else a_sf.contiguous()
+    scale_b = w_sf.t().contiguous() if b_contiguous else w_sf.t()
+    return torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+
+def find_scale_layout(checkpoint: Dict[str, torch.Tensor]) -> Tuple[Optional[Tuple[bool, bool]], str]:
+    """(the first SCALE_LAYOUTS entry with which _block_scaled_mm runs here and agrees with the
+    dequantized product on the first expert's L1 weights at two row counts, ""), or (None,
+    what went wrong)."""
+    w, w_sf = checkpoint["w13"][0], checkpoint["w13_scale"][0]
+    if not w.is_cuda:
+        return None, "needs a CUDA device"
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    wanted = dequantize_weight_blocks(w, w_sf)
+    samples = [quantize_per_token_group(torch.randn(rows, w.shape[1], device=w.device, generator=gen))
+               for rows in (1, 130)]
+    problem = ""
+    for layout in SCALE_LAYOUTS:
+        try:
+            errors = []
+            for a, a_sf in samples:
+                expected = dequantize_per_token_group(a, a_sf) @ wanted.T
+                got = _block_scaled_mm(a, a_sf, w, w_sf, layout).float()
+                errors.append(((got - expected).norm() / expected.norm()).item())
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            problem = (str(exc).splitlines() or [type(exc).__name__])[0]
+            continue
+        if max(errors) < 1e-2:
+            return layout, ""
+        problem = f"relative error {max(errors):.1e} against the dequantized product"
+    return None, problem
+
+
+def vllm_triton_moe(checkpoint: Dict[str, torch.Tensor]) -> Callable:
+    """vLLM's fused_experts(hidden, topk_weights, topk_ids) with these checkpoint weights."""
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+    quant = fp8_w8a8_moe_quant_config(w1_scale=checkpoint["w13_scale"], w2_scale=checkpoint["w2_scale"],
+                                      block_shape=[BLOCK, BLOCK])
+    triton = functools.partial(fused_experts, w1=checkpoint["w13"], w2=checkpoint["w2"], quant_config=quant)
+
+    def run(hidden_states, topk_idx, topk_weights):
+        return triton(hidden_states, topk_weights=topk_weights, topk_ids=topk_idx.to(torch.int32))
+
+    return run
+
+
+def make_baseline(which: str, checkpoint: Dict[str, torch.Tensor]) -> Tuple[Optional[Callable], str]:
+    """(the baseline to time, its name) for --baseline `which` (BASELINES); (None, "none")
+    for none. "auto" is vLLM's Triton MoE where vllm is importable, else the torch path."""
+    if which not in BASELINES:
+        raise ValueError(f"baseline must be one of {BASELINES}, got {which!r}")
+    if which == "none":
+        return None, "none"
+    if which == "vllm" or (which == "auto" and importlib.util.find_spec("vllm") is not None):
+        return vllm_triton_moe(checkpoint), "vLLM Triton fused MoE"
+    torch_moe = UnfusedTorchMoE(checkpoint)
+    return torch_moe, f"unfused torch ({torch_moe.gemm_name})"

@@ -1,0 +1,79 @@
+"""What a call could take at best on this machine (docs/design.md section 8): the ceilings
+measured in the same run (HBM copy bandwidth, FP8 GEMM rate, NVLink peer bandwidth), and a
+rank's floor from its routing: max(bytes / bandwidth, FLOPs / FP8 rate, NVLink bytes /
+peer bandwidth)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Tuple
+
+import torch
+
+from ..timing import timed_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    hbm_bytes_per_s: float
+    fp8_flops_per_s: float
+    peer_bytes_per_s: float = float("inf")  # no NVLink term with one rank (or if it cannot be measured)
+
+
+def measure_hbm_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy, counting read + write."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    return 2 * src.numel() * 10 / timed_seconds(lambda: dst.copy_(src), 10)
+
+
+def measure_fp8_rate() -> float:
+    """FLOP/s of an 8192^3 FP8 GEMM through torch._scaled_mm."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+
+    def gemm():
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    for _ in range(3):
+        gemm()
+    return 2 * n ** 3 * 10 / timed_seconds(gemm, 10)
+
+
+def measure_peer_bandwidth(buf) -> float:
+    """Bytes/s of this rank reading the next rank's symmetric buffer over NVLink."""
+    region = buf.layout.regions["pool_x"]
+    nbytes = min(region.nbytes, 1 << 30)
+    peer = (buf.rank + 1) % buf.num_ranks
+    src = buf._symm_handle.get_buffer(peer, (nbytes,), torch.uint8, region.offset)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src)
+    return nbytes * 10 / timed_seconds(lambda: dst.copy_(src), 10)
+
+
+def rank_floor(all_idx: List[torch.Tensor], rank: int, num_ranks: int, hidden: int, inter: int, ceilings: Ceilings,
+               local_experts: int) -> Tuple[float, int]:
+    """(floor seconds, FLOPs) of one rank, from every rank's routing (list of [n, K] ids)."""
+    local = range(rank * local_experts, (rank + 1) * local_experts)
+    rows = pulled = returned = 0
+    experts_hit = set()
+    for src, idx in enumerate(all_idx):
+        valid = idx[idx >= 0]
+        mine = valid[(valid >= local.start) & (valid < local.stop)]
+        rows += mine.numel()
+        experts_hit.update(mine.unique().tolist())
+        if src != rank:
+            pulled += mine.numel()  # rows this rank pulls in, and scatters back out
+        else:
+            returned += int(((valid < local.start) | (valid >= local.stop)).sum())  # rows others send back
+    weight_bytes = len(experts_hit) * 3 * inter * hidden
+    act_bytes = all_idx[rank].shape[0] * hidden * 3 + rows * (hidden + 2 * inter + 2 * hidden)
+    nvlink_in = (pulled * (hidden + hidden // 128 * 4) + returned * 2 * hidden) if num_ranks > 1 else 0
+    nvlink_out = pulled * 2 * hidden if num_ranks > 1 else 0
+    flops = 2 * rows * 3 * inter * hidden
+    floor = max((weight_bytes + act_bytes) / ceilings.hbm_bytes_per_s, flops / ceilings.fp8_flops_per_s,
+                max(nvlink_in, nvlink_out) / ceilings.peer_bytes_per_s if num_ranks > 1 else 0.0)
+    return floor, flops
