@@ -88,3 +88,17 @@ def test_compile_variants_keeps_order_runs_at_once_and_returns_errors(monkeypatc
     assert sorted(v.block_m for v, _ in done) == [8, 16, 32, 64]
     assert all(result is results[variants.index(v)] for v, result in done)
     assert peak[0] > 1
+
+
+def test_parse_ptxas_flags_serialized_wgmma():
+    """ptxas's C7518 (WGMMAs serialized) fails the compile check like a spill: it silently runs the
+    tensor pipe one WGMMA at a time (csrc/megamoe/mma.cuh says what caused it once)."""
+    clean = ("ptxas info    : Compiling entry function 'megamoe_fused_kernel' for 'sm_90a'\n"
+             "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+             "ptxas info    : Used 168 registers, used 1 barriers\n")
+    serialized = ("ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+                  "due to program dependence on compiler-inserted WG.DP in divergent path in the function "
+                  "'megamoe_fused_kernel'\n" + clean)
+    assert not jit.parse_ptxas(clean).wgmma_serialized
+    usage = jit.parse_ptxas(serialized)
+    assert usage.wgmma_serialized and usage.registers == 168 and usage.spill_stores == 0

@@ -7,6 +7,7 @@
 
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cuda/ptx>
+#include <type_traits>
 #include <utility>
 
 #include "config.cuh"
@@ -29,7 +30,6 @@ __device__ __forceinline__ uint64_t make_smem_desc(const void* smem) {
   return desc;
 }
 
-using WgmmaOp = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
 
 // m64nNk32 FP8 WGMMA for the swap-AB tiers (N = BLOCK_M tokens).
 template <int N> struct SwapWgmma;
@@ -78,56 +78,134 @@ __device__ __forceinline__ void for_each_fragment_col(F&& f) {
 // [64w, 64w + 64) and all 256 weight rows, as two 128-row halves that share its token operand
 // (Cfg::kWgHalves). Half h of a warpgroup accumulates in acc[64h, 64h + 64) with the m64n128
 // fragment layout of FragCoord.
+//
+// The WGMMAs of a k-block go out in batches of kBatchRows weight rows (m64nBATCHk32 x 4 along
+// K), each into a part that is promoted once the batch is done:
+// - fast numerics (MmaBatching<Cfg>::kPipelined): batches of 64 rows alternating between two
+//   32-float parts; a batch's promotion waits only for that batch (wait_group 1), so the
+//   warpgroup keeps one batch queued on the tensor cores while it promotes the previous one,
+//   across k-blocks too. Waiting for a whole 128-row half before promoting drained the tensor
+//   pipe at every batch (docs/results round 10: v3 128 tokens 429 -> 404 us, 512 679 -> 639).
+// - exact numerics: batches of 128 rows into one 64-float part, each waited for in full. Its
+//   BLOCK_M 64 L2 runs at up to 8192 tokens, where the 64-row batches' extra shared-memory reads
+//   of the token tile (read once per batch) cost more than the waits: v3 2048 tokens 3322 ->
+//   3511 us with them (round 10).
+// A 64-row batch j of half h holds columns [64j, 64j + 64) of the half, i.e. acc[64h + 32j, +32)
+// in the m64n128 layout (chunk c of the n64 fragment is chunk 8j + c of the n128 one): batch b's
+// part always lands at acc + b * kPartFloats.
 // `sfa` points at the tile's first row in an MN-major scale pool ([k-block][pool row]).
 // `weight_scales(kb, block)` gives the scales of the tile's 128-row weight block `block` (0, 1)
 // at k-block kb: .x for even 8-column chunks, .y for odd ones (L1: gate, up; L2: the same).
 // False after a pipeline timeout (gemm_wait).
+template <class Cfg>
+struct MmaBatching {
+  static constexpr bool kPipelined = !Cfg::kExactL1;
+  static constexpr int kBatchRows = kPipelined ? 64 : 128;
+  static constexpr int kBatches = Cfg::kWgHalves * Cfg::kWgN / kBatchRows;  // per k-block
+  static constexpr int kParts = kPipelined ? 2 : 1;
+  static constexpr int kPartFloats = kBatchRows / 2;  // m64nBATCH fragment per thread
+  // The last batch of a k-block stays in flight across the next k-block's barrier wait, except
+  // with fast_math=False: its IEEE divisions call out of line, and with a batch carried over
+  // ptxas spilled around those calls (12-104 bytes at BLOCK_M 64, round 10), so those variants
+  // drain each k-block.
+  static constexpr bool kCarryAcrossKBlocks = kPipelined && Cfg::kFastMath;
+  using Op = std::conditional_t<kBatchRows == 64, cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>,
+                                cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>>;
+};
+
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                          uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
                                          const float* sfa, float* acc, WeightScales weight_scales) {
-  constexpr int kHalves = Cfg::kWgHalves;
+  using B = MmaBatching<Cfg>;
+  constexpr int kHalves = Cfg::kWgHalves, kPartFloats = B::kPartFloats;
   const int row0 = Cfg::wg_first_row(wg);
-  float part[64];
+  // The promotion scales of one k-block: the rows' (sa) and the halves' weight blocks (sb).
+  struct KBlockScales {
+    float sa[2];
+    float2 sb[kHalves];
+  };
+  const auto load_scales = [&](int kb) {
+    KBlockScales s;
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) s.sb[h] = weight_scales(kb, Cfg::wg_weight_block(wg, h));
+#pragma unroll
+    for (int i = 0; i < 2; ++i) s.sa[i] = __ldcg(sfa + (int64_t)kb * p.pool_capacity + row0 + fc.r0 + 8 * i);
+    return s;
+  };
+  float part[B::kParts][kPartFloats];
+  const auto promote = [&](int batch, const float* from, const KBlockScales& s) {
+    const int h = batch * B::kBatchRows / Cfg::kWgN;
+    float* to = acc + batch * kPartFloats;
+#pragma unroll
+    for (int c = 0; c < kPartFloats / 4; ++c) {
+      const float sb = (c % 2 == 0) ? s.sb[h].x : s.sb[h].y;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) to[4 * c + i] += from[4 * c + i] * (s.sa[i / 2] * sb);
+    }
+  };
+  const auto release = [&](int stage) {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) cuda::ptx::mbarrier_arrive(&empty[stage]);
+  };
+  constexpr int kLast = B::kBatches - 1;
+  // Pipelined: the promotion of a k-block's last batch, once it is done, and its stage's release.
+  const auto drain_last = [&](const KBlockScales& s, int stage) {
+    cute::warpgroup_wait<0>();
+    fence_operands<kPartFloats>(part[kLast % B::kParts]);
+    promote(kLast, part[kLast % B::kParts], s);
+    release(stage);
+  };
 #pragma unroll
   for (int i = 0; i < Cfg::kAccFloats; ++i) acc[i] = 0.f;
+  KBlockScales cur{}, prev{};
+  int prev_stage = 0;
   for (int kb = 0; kb < kNumKBlocks; ++kb) {
-    // Scale loads issued before the barrier wait hide their latency.
-    float2 sb[kHalves];
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) sb[h] = weight_scales(kb, Cfg::wg_weight_block(wg, h));
-    const float sa0 = __ldcg(sfa + (int64_t)kb * p.pool_capacity + row0 + fc.r0);
-    const float sa1 = __ldcg(sfa + (int64_t)kb * p.pool_capacity + row0 + fc.r0 + 8);
-    if (!gemm_wait<Cfg>(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout)) return false;
+    prev = cur;
+    cur = load_scales(kb);  // issued before the barrier wait: the wait hides their latency
+    if (!gemm_wait<Cfg>(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout)) {
+      // Drained before leaving: a path that leaves with a batch in flight makes ptxas
+      // serialize every WGMMA of the loop (warning C7518).
+      cute::warpgroup_wait<0>();
+      return false;
+    }
     const uint64_t desc_a = make_smem_desc(sv.a(ps.stage) + row0 * Cfg::kBlockK);
 #pragma unroll
-    for (int h = 0; h < kHalves; ++h) {
-      const uint64_t desc_b = make_smem_desc(sv.b(ps.stage) + Cfg::wg_weight_block(wg, h) * Cfg::kWgN * Cfg::kBlockK);
-      // FP8 WGMMA accumulates with reduced precision inside the tensor core, so each k-block
-      // gets a fresh accumulator that is promoted into float32 here.
-      fence_operands<64>(part);
+    for (int b = 0; b < B::kBatches; ++b) {
+      float* mine = part[b % B::kParts];
+      const int b_row = Cfg::wg_weight_block(wg, b * B::kBatchRows / Cfg::kWgN) * Cfg::kWgN +
+                        (b * B::kBatchRows) % Cfg::kWgN;
+      const uint64_t desc_b = make_smem_desc(sv.b(ps.stage) + b_row * Cfg::kBlockK);
+      fence_operands<kPartFloats>(mine);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int k = 0; k < Cfg::kBlockK / 32; ++k)  // +32 bytes along K in the 128B swizzle atom: +2 in the address field
-        wgmma_call<WgmmaOp>(desc_a + 2 * k, desc_b + 2 * k, part, k > 0, std::make_integer_sequence<int, 64>{});
+        wgmma_call<typename B::Op>(desc_a + 2 * k, desc_b + 2 * k, mine, k > 0,
+                                   std::make_integer_sequence<int, kPartFloats>{});
       cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      fence_operands<64>(part);
-      if (h == kHalves - 1) {
-        __syncwarp();
-        if (threadIdx.x % 32 == 0) cuda::ptx::mbarrier_arrive(&empty[ps.stage]);
-      }
-#pragma unroll
-      for (int c = 0; c < 16; ++c) {
-        const float s = (c % 2 == 0) ? sb[h].x : sb[h].y;
-        acc[64 * h + 4 * c + 0] += part[4 * c + 0] * (sa0 * s);
-        acc[64 * h + 4 * c + 1] += part[4 * c + 1] * (sa0 * s);
-        acc[64 * h + 4 * c + 2] += part[4 * c + 2] * (sa1 * s);
-        acc[64 * h + 4 * c + 3] += part[4 * c + 3] * (sa1 * s);
+      if constexpr (B::kParts == 1) {
+        cute::warpgroup_wait<0>();
+        fence_operands<kPartFloats>(mine);
+        if (b == kLast) release(ps.stage);
+        promote(b, mine, cur);
+      } else {
+        // The previous batch (the other part) is done once at most this one is pending.
+        cute::warpgroup_wait<1>();
+        float* other = part[(b + 1) % 2];
+        fence_operands<kPartFloats>(other);
+        if (b > 0) {
+          promote(b - 1, other, cur);
+        } else if (B::kCarryAcrossKBlocks && kb > 0) {  // the last batch of k-block kb - 1
+          promote(kLast, other, prev);
+          release(prev_stage);
+        }
       }
     }
+    if constexpr (B::kParts == 2 && !B::kCarryAcrossKBlocks) drain_last(cur, ps.stage);
+    prev_stage = ps.stage;
     ps.advance<Cfg::kNumStages>();
   }
+  if constexpr (B::kCarryAcrossKBlocks) drain_last(cur, prev_stage);
   return true;
 }
 
