@@ -61,15 +61,19 @@ def plot(results: Dict, path: Path) -> None:
         ax.plot(*zip(*floor), linestyle=":", color=color, label=f"{config} floor")
         base = sorted({p["tokens"]: p["baseline_us"] for p in mine if p["baseline_us"] is not None}.items())
         if base:
-            ax.plot(*zip(*base), linestyle="--", marker="x", color=color, label=f"{config} {results['baseline']}")
+            ax.plot(*zip(*base), linestyle="--", marker="x", color=color, label=f"{config} baseline")
     ax.set_xscale("symlog" if any(p["tokens"] == 0 for p in points) else "log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens per rank")
     ax.set_ylabel("device time per call (us)")
     ax.set_title(f"megamoe on {results['num_ranks']} x {results['device']}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    # Lower right: the large token counts sit high there; the baseline (its full name, with why
+    # its path was chosen, can be long) is named once under the axes.
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    if any(p["baseline_us"] is not None for p in points):
+        fig.text(0.01, 0.005, f"baseline: {results['baseline']}", fontsize=6, va="bottom", wrap=True)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
