@@ -133,7 +133,9 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
     for (int i = 0; i < 2; ++i) s.sa[i] = __ldcg(sfa + (int64_t)kb * p.pool_capacity + row0 + fc.r0 + 8 * i);
     return s;
   };
-  float part[B::kParts][kPartFloats];
+  // One flat array: a two-dimensional one made ptxas spill (12 bytes at exact BLOCK_M 64, fast_math=False).
+  float parts[B::kParts * kPartFloats];
+  const auto part = [&](int i) { return parts + (i % B::kParts) * kPartFloats; };
   const auto promote = [&](int batch, const float* from, const KBlockScales& s) {
     const int h = batch * B::kBatchRows / Cfg::kWgN;
     float* to = acc + batch * kPartFloats;
@@ -152,17 +154,16 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
   // Pipelined: the promotion of a k-block's last batch, once it is done, and its stage's release.
   const auto drain_last = [&](const KBlockScales& s, int stage) {
     cute::warpgroup_wait<0>();
-    fence_operands<kPartFloats>(part[kLast % B::kParts]);
-    promote(kLast, part[kLast % B::kParts], s);
+    fence_operands<kPartFloats>(part(kLast));
+    promote(kLast, part(kLast), s);
     release(stage);
   };
 #pragma unroll
   for (int i = 0; i < Cfg::kAccFloats; ++i) acc[i] = 0.f;
-  KBlockScales cur{}, prev{};
+  KBlockScales prev{};  // carried across k-blocks: the previous k-block's scales
   int prev_stage = 0;
   for (int kb = 0; kb < kNumKBlocks; ++kb) {
-    prev = cur;
-    cur = load_scales(kb);  // issued before the barrier wait: the wait hides their latency
+    const KBlockScales cur = load_scales(kb);  // issued before the barrier wait: the wait hides their latency
     if (!gemm_wait<Cfg>(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout)) {
       // Drained before leaving: a path that leaves with a batch in flight makes ptxas
       // serialize every WGMMA of the loop (warning C7518).
@@ -172,7 +173,7 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
     const uint64_t desc_a = make_smem_desc(sv.a(ps.stage) + row0 * Cfg::kBlockK);
 #pragma unroll
     for (int b = 0; b < B::kBatches; ++b) {
-      float* mine = part[b % B::kParts];
+      float* mine = part(b);
       const int b_row = Cfg::wg_weight_block(wg, b * B::kBatchRows / Cfg::kWgN) * Cfg::kWgN +
                         (b * B::kBatchRows) % Cfg::kWgN;
       const uint64_t desc_b = make_smem_desc(sv.b(ps.stage) + b_row * Cfg::kBlockK);
@@ -191,7 +192,7 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
       } else {
         // The previous batch (the other part) is done once at most this one is pending.
         cute::warpgroup_wait<1>();
-        float* other = part[(b + 1) % 2];
+        float* other = part(b + 1);
         fence_operands<kPartFloats>(other);
         if (b > 0) {
           promote(b - 1, other, cur);
@@ -202,10 +203,10 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
       }
     }
     if constexpr (B::kParts == 2 && !B::kCarryAcrossKBlocks) drain_last(cur, ps.stage);
-    prev_stage = ps.stage;
+    if constexpr (B::kCarryAcrossKBlocks) prev = cur, prev_stage = ps.stage;
     ps.advance<Cfg::kNumStages>();
   }
-  if constexpr (B::kCarryAcrossKBlocks) drain_last(cur, prev_stage);
+  if constexpr (B::kCarryAcrossKBlocks) drain_last(prev, prev_stage);
   return true;
 }
 
