@@ -173,6 +173,7 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
 
     def __init__(self, quant_config, layer):
         super().__init__(layer.moe_config)
+        refusals.check_kernel_attribute(self, built=False)
         self.quant_config = quant_config
         self.weight_block_size = [BLOCK, BLOCK]
         self.block_quant = True
@@ -245,6 +246,7 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
         self.experts = MegaMoEExperts(self.moe, self.moe_quant_config, self.runtime)
         self.moe_kernel = mk.FusedMoEKernel(MegaMoEPrepareAndFinalize(), self.experts)
+        refusals.check_kernel_attribute(self, built=True)
 
     def get_fused_moe_quant_config(self, layer):
         return fp8_w8a8_moe_quant_config(

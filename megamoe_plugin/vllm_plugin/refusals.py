@@ -253,6 +253,32 @@ def check_vllm_features(vllm_config) -> None:
             "remove --enable-dbo")
 
 
+# The FusedMoEMethodBase attribute vLLM (0.24..0.33) reads a method's own modular kernel from.
+KERNEL_ATTRIBUTE = "moe_kernel"
+
+
+def check_kernel_attribute(method, *, built: bool) -> None:
+    """vLLM's MoE runner skips its naive DP dispatch (an all-gather of every DP rank's tokens
+    before the experts, a reduce-scatter of their outputs after) when the method's
+    `supports_internal_mk` is true, and skips the all-reduce of the output when
+    `moe_kernel.output_is_reduced()`; both read `method.moe_kernel`. A vLLM that keeps the
+    kernel under another name would do both around the kernel's already combined output:
+    every token R times through the kernel, the output summed over R ranks, silently.
+    Before the kernel is built (`built=False`): vLLM's base class must have created the
+    attribute; after: vLLM must see it."""
+    if not built:
+        seen = KERNEL_ATTRIBUTE in vars(method)
+    else:
+        seen = getattr(method, "supports_internal_mk", True) is True  # vLLM without the gate: no naive dispatch
+    if not seen:
+        from .compat import vllm_version
+
+        raise MegaMoEUnsupportedError(
+            f"vLLM {vllm_version()} does not take a MoE method's modular kernel from `{KERNEL_ATTRIBUTE}`, so it "
+            "would all-gather every data-parallel rank's tokens into the kernel and sum its already combined "
+            "output over the EP ranks", f"use vLLM 0.24 to 0.33 (docs/vllm.md) {OTHER_BACKEND}")
+
+
 def check_device() -> None:
     """The GPU kernel needs SM90 (Hopper)."""
     capability = _probe.device_capability()

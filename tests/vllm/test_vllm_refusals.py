@@ -244,3 +244,39 @@ def test_unverified_peer_access_only_warns():
     with refusals.override_probe(FakeProbe(topology=_topology(unverified=((1, 2),)))), _Records() as logs:
         refusals.check_ep_topology("group")
     assert "could not verify peer access" in logs.text
+
+
+# ----------------------------------------------------------------------------- vLLM versions
+
+
+def test_vllm_without_the_moe_kernel_attribute(vllm_config, dist_env, reference_executor, monkeypatch):
+    """A vLLM whose FusedMoEMethodBase keeps the modular kernel under another name would
+    all-gather the DP ranks' tokens and sum the output over the EP ranks: refused at load."""
+    from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+
+    base_init = FusedMoEMethodBase.__init__
+
+    def renamed(self, moe):
+        base_init(self, moe)
+        self.modular_kernel = vars(self).pop("moe_kernel")
+
+    monkeypatch.setattr(FusedMoEMethodBase, "__init__", renamed)
+    _refused(lambda: build_moe(vllm_config), "does not take a MoE method's modular kernel from `moe_kernel`",
+             "sum its already combined output over the EP ranks", "use vLLM 0.24 to 0.33")
+
+
+def test_vllm_that_does_not_see_the_moe_kernel(vllm_config, dist_env, reference_executor, monkeypatch):
+    """The attribute is there but vLLM's own-kernel gate reads something else: refused when
+    the kernel is built, at load."""
+    from test_vllm_layer import load_checkpoint, make_checkpoint
+    from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+
+    runner = build_moe(vllm_config)
+    load_checkpoint(runner, *make_checkpoint(seed=14))
+    ex = runner.routed_experts
+    monkeypatch.setattr(FusedMoEMethodBase, "supports_internal_mk",
+                        property(lambda self: getattr(self, "modular_kernel", None) is not None))
+    _refused(lambda: ex.quant_method.process_weights_after_loading(ex), "from `moe_kernel`")
+    monkeypatch.undo()
+    ex.quant_method.process_weights_after_loading(ex)  # vLLM as it is: accepted
+    assert ex.quant_method.supports_internal_mk
