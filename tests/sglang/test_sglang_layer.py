@@ -15,28 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOPK
+from contract_oracle import FP8, dequant_blocks, quant_blocks, quant_dequant_rows  # noqa: E402
 
-FP8 = torch.float8_e4m3fn
 CAP = 64  # SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK
-
-
-def _quant_blocks(w):
-    n, k = w.shape
-    blocks = w.float().reshape(n // 128, 128, k // 128, 128)
-    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-10) / 448.0
-    return (blocks / scale).clamp(-448.0, 448.0).to(FP8).reshape(n, k), scale.reshape(n // 128, k // 128)
-
-
-def _dequant(q, s):
-    n, k = q.shape
-    return (q.float().reshape(n // 128, 128, k // 128, 128) * s.reshape(n // 128, 1, k // 128, 1)).reshape(n, k)
-
-
-def _quant_dequant_rows(x):
-    t, h = x.shape
-    g = x.float().reshape(t, h // 128, 128)
-    s = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-10) / 448.0
-    return ((g / s).clamp(-448.0, 448.0).to(FP8).float() * s).reshape(t, h)
 
 
 class Experts(torch.nn.Module):
@@ -55,9 +36,9 @@ class Experts(torch.nn.Module):
         self.quant_method = type("Fp8MoEMethod", (), {"quant_config": quant_config})()
         w13, s13, w2, s2 = [], [], [], []
         for _ in range(NUM_EXPERTS):
-            q, s = _quant_blocks(torch.randn(2 * INTERMEDIATE, HIDDEN, generator=g) * 0.06)
+            q, s = quant_blocks(torch.randn(2 * INTERMEDIATE, HIDDEN, generator=g) * 0.06)
             w13.append(q), s13.append(s)
-            q, s = _quant_blocks(torch.randn(HIDDEN, INTERMEDIATE, generator=g) * 0.06)
+            q, s = quant_blocks(torch.randn(HIDDEN, INTERMEDIATE, generator=g) * 0.06)
             w2.append(q), s2.append(s)
         for name, t in (("w13_weight", w13), ("w13_weight_scale_inv", s13), ("w2_weight", w2),
                         ("w2_weight_scale_inv", s2)):
@@ -65,15 +46,15 @@ class Experts(torch.nn.Module):
 
 
 def _expected(x, ids, weights, w13, s13, w2, s2):
-    xq = _quant_dequant_rows(x)
+    xq = quant_dequant_rows(x)
     out = torch.zeros(x.shape[0], HIDDEN)
     for t in range(x.shape[0]):
         for j in range(TOPK):
             e = int(ids[t, j])
-            h = xq[t:t + 1] @ _dequant(w13[e], s13[e]).T
+            h = xq[t:t + 1] @ dequant_blocks(w13[e], s13[e]).T
             act = F.silu(h[:, :INTERMEDIATE]) * h[:, INTERMEDIATE:]
-            act = _quant_dequant_rows(act.bfloat16().float())
-            out[t] += float(weights[t, j]) * (act @ _dequant(w2[e], s2[e]).T)[0]
+            act = quant_dequant_rows(act.bfloat16().float())
+            out[t] += float(weights[t, j]) * (act @ dequant_blocks(w2[e], s2[e]).T)[0]
     return out
 
 

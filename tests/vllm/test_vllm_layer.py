@@ -16,33 +16,11 @@ import torch.nn.functional as F
 pytest.importorskip("vllm")
 
 from conftest import HIDDEN, INTERMEDIATE, MAX_BATCHED_TOKENS, NUM_EXPERTS, TOPK, build_moe  # noqa: E402
+from contract_oracle import FP8, dequant_blocks, quant_blocks, quant_dequant_rows  # noqa: E402
 
-FP8 = torch.float8_e4m3fn
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _quant_blocks(w):
-    """128x128 block FP8 quantization, written out with torch ops."""
-    n, k = w.shape
-    blocks = w.float().reshape(n // 128, 128, k // 128, 128)
-    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-10) / 448.0
-    q = (blocks / scale).clamp(-448.0, 448.0).to(FP8)
-    return q.reshape(n, k), scale.reshape(n // 128, k // 128)
-
-
-def _dequant_blocks(q, s):
-    n, k = q.shape
-    return (q.float().reshape(n // 128, 128, k // 128, 128) * s.reshape(n // 128, 1, k // 128, 1)).reshape(n, k)
-
-
-def _quant_dequant_rows(x):
-    """Per-token, per-128-column FP8 quantize then dequantize (vLLM's dynamic activation quant)."""
-    t, h = x.shape
-    g = x.float().reshape(t, h // 128, 128)
-    s = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-10) / 448.0
-    return ((g / s).clamp(-448.0, 448.0).to(FP8).float() * s).reshape(t, h)
 
 
 def make_checkpoint(num_experts=NUM_EXPERTS, hidden=HIDDEN, inter=INTERMEDIATE, seed=0):
@@ -53,7 +31,7 @@ def make_checkpoint(num_experts=NUM_EXPERTS, hidden=HIDDEN, inter=INTERMEDIATE, 
         entry = {}
         for name, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
                             ("down_proj", (hidden, inter))):
-            q, s = _quant_blocks(torch.randn(*shape, generator=g) * 0.06)
+            q, s = quant_blocks(torch.randn(*shape, generator=g) * 0.06)
             entry[name] = (q, s)
             named.append((f"{e}.{name}.weight", q))
             named.append((f"{e}.{name}.weight_scale_inv", s))
@@ -66,19 +44,19 @@ def torch_moe(x, router_logits, experts, top_k, activation_clamp=None):
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
-    a = _quant_dequant_rows(x)
+    a = quant_dequant_rows(x)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
     for t in range(x.shape[0]):
         for k in range(top_k):
             e = experts[int(ids[t, k])]
-            gate = a[t] @ _dequant_blocks(*e["gate_proj"]).T
-            up = a[t] @ _dequant_blocks(*e["up_proj"]).T
+            gate = a[t] @ dequant_blocks(*e["gate_proj"]).T
+            up = a[t] @ dequant_blocks(*e["up_proj"]).T
             if activation_clamp is not None:
                 gate = gate.clamp(max=activation_clamp)
                 up = up.clamp(-activation_clamp, activation_clamp)
             act = F.silu(gate) * up * weights[t, k]
-            act = _quant_dequant_rows(act.unsqueeze(0))[0]
-            o = act @ _dequant_blocks(*e["down_proj"]).T
+            act = quant_dequant_rows(act.unsqueeze(0))[0]
+            o = act @ dequant_blocks(*e["down_proj"]).T
             out[t] += o.to(torch.bfloat16).float()
     return out.to(torch.bfloat16)
 
