@@ -2,8 +2,9 @@
 
 sglang pins another torch than vllm, so these tests run in their own environment (README:
 the second test command); in an environment without sglang every test here is skipped,
-with that reason. NOTE: no __init__.py here: a package named `sglang` would shadow the
-real one.
+with that reason. The folder is not named `sglang`: tests/ is on sys.path (tests/conftest.py),
+so a tests/sglang folder is a namespace package `sglang` that find_spec finds where the real one
+is missing (CI's main environment collected these tests and failed them that way).
 """
 import importlib.util
 from pathlib import Path
