@@ -1,4 +1,4 @@
-"""Fixtures of the kernel cache for tests in every folder (tests/vllm included): a
+"""Fixtures of the kernel cache for tests in every folder (tests/vllm_plugin included): a
 temporary cache, nvcc hidden, and cache entries laid out as a build leaves them."""
 import os
 

@@ -1,5 +1,5 @@
 """FP8 quantization written from the contract (docs/design.md section 2) for the framework
-layer tests (tests/vllm, tests/sglang_plugin): their torch MoE oracles share no code with the
+layer tests (tests/vllm_plugin, tests/sglang_plugin): their torch MoE oracles share no code with the
 plugin, so a bug in megamoe_plugin.fp8 cannot hide in both sides of a comparison."""
 import torch
 

@@ -8,7 +8,7 @@ buffers, then mm.fp8_mega_moe) covers:
   `megamoe_plugin.serving.run_kernel`, which vllm_plugin.executor.run_kernel binds;
 - every rank with its own token count (DP: one rank idle, uneven, equal) while both
   choose the kernel variant by the max over the ranks, as the plugin does from vLLM's
-  DP metadata (tests/vllm/test_vllm_dp_ep.py checks that part inside vLLM on the CPU);
+  DP metadata (tests/vllm_plugin/test_vllm_dp_ep.py checks that part inside vLLM on the CPU);
 - eager calls, then per-rank CUDA graphs replayed side by side (vLLM captures each
   DP rank's decode graphs with the batch padded to the same size on every rank).
 

@@ -16,7 +16,7 @@ SKIP_REASON = ("sglang is not installed: the SGLang plugin tests run in their ow
                "(README, 'SGLang tests')")
 
 # The vLLM tests' fixture model (config only): a Qwen3-MoE with 128x128 block-FP8 experts.
-FIXTURE_MODEL = Path(__file__).resolve().parents[1] / "vllm" / "fixtures" / "tiny_fp8_moe"
+FIXTURE_MODEL = Path(__file__).resolve().parents[1] / "vllm_plugin" / "fixtures" / "tiny_fp8_moe"
 NUM_EXPERTS, TOPK, HIDDEN, INTERMEDIATE = 8, 2, 256, 128
 
 
