@@ -33,6 +33,20 @@ class IncompatibleSGLangError(RuntimeError):
                          f"an sglang the plugin supports (docs/sglang.md) or {HINTS.pick_other}.")
 
 
+# Why this sglang cannot run the backend (None: it can). registration.register records it once;
+# the resolution hook refuses with it when the backend is selected.
+_incompatibility: Optional[str] = None
+
+
+def incompatibility() -> Optional[str]:
+    return _incompatibility
+
+
+def record_incompatibility(why: Optional[str]) -> None:
+    global _incompatibility
+    _incompatibility = why
+
+
 def check_arguments(cfg) -> None:
     """Server arguments (a resolving view) the backend cannot be combined with."""
     a2a = getattr(cfg, "moe_a2a_backend", "none")

@@ -1,7 +1,7 @@
 """What `register()` does, step by step (see the package docstring).
 
 SGLang logs and swallows whatever a plugin raises at load, so nothing here raises: a
-version or signature the plugin was not written for is recorded (`problem()`), the layer
+version or signature the plugin was not written for is recorded (`refusals.incompatibility()`), the layer
 hooks are left out, and selecting the backend then fails at argument resolution with
 that reason. The backend choice and the resolution hook are installed in every case, so
 that the user sees our reason rather than argparse's "invalid choice".
@@ -15,7 +15,7 @@ import re
 import threading
 from typing import Callable, Dict, Optional, Tuple
 
-from . import BACKEND
+from . import BACKEND, refusals
 
 logger = logging.getLogger("megamoe_plugin.sglang")
 
@@ -47,7 +47,6 @@ EXPECTED_SIGNATURES: Dict[str, str] = {
 
 _lock = threading.RLock()
 _registered = False
-_problem: Optional[str] = None
 
 
 def signature_text(fn: Callable) -> str:
@@ -92,11 +91,6 @@ def signature_problem(resolve: Callable[[str], object] = pkgutil.resolve_name) -
     return None
 
 
-def problem() -> Optional[str]:
-    """Why this sglang cannot run the backend (None: it can)."""
-    return _problem
-
-
 def _add_backend_choice() -> None:
     from sglang.srt.arg_groups.choices import MOE_RUNNER_BACKEND_CHOICES, add_moe_runner_backend_choices
 
@@ -126,7 +120,7 @@ def _install_layer_hooks() -> None:
 
 
 def register() -> None:
-    global _registered, _problem
+    global _registered
     with _lock:
         if _registered:
             return
@@ -134,17 +128,18 @@ def register() -> None:
         try:
             import sglang
 
-            _problem = version_problem(getattr(sglang, "__version__", "unknown")) or signature_problem()
+            why = version_problem(getattr(sglang, "__version__", "unknown")) or signature_problem()
+            refusals.record_incompatibility(why)
             _add_backend_choice()
             _install_resolution_hooks()
-            if _problem is None:
+            if why is None:
                 _install_layer_hooks()
                 logger.debug("megamoe_plugin: registered --moe-runner-backend %s", BACKEND)
             else:
-                logger.error("megamoe_plugin: --moe-runner-backend %s is unavailable: %s", BACKEND, _problem)
+                logger.error("megamoe_plugin: --moe-runner-backend %s is unavailable: %s", BACKEND, why)
         except Exception as e:  # SGLang would swallow it; keep the reason for the user
-            _problem = f"registering the plugin failed ({type(e).__name__}: {e})"
-            logger.exception("megamoe_plugin: %s", _problem)
+            refusals.record_incompatibility(f"registering the plugin failed ({type(e).__name__}: {e})")
+            logger.exception("megamoe_plugin: %s", refusals.incompatibility())
 
 
 def is_registered() -> bool:

@@ -9,7 +9,7 @@ reads it, in the launcher and in every scheduler process.
 """
 from __future__ import annotations
 
-from . import BACKEND, refusals, registration
+from . import BACKEND, refusals
 
 
 def selected_by(server_args) -> bool:
@@ -19,8 +19,8 @@ def selected_by(server_args) -> bool:
 
 def handle_mega_moe(server_args, previous) -> None:
     if selected_by(server_args):
-        if registration.problem() is not None:
-            raise refusals.IncompatibleSGLangError(registration.problem())
+        if refusals.incompatibility() is not None:
+            raise refusals.IncompatibleSGLangError(refusals.incompatibility())
         from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
 
         refusals.check_arguments(resolving_view(server_args))

@@ -31,8 +31,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def registered():
-    from megamoe_plugin.sglang_plugin import register, registration
+    from megamoe_plugin.sglang_plugin import refusals, register, registration
 
     register()
-    assert registration.problem() is None, registration.problem()
+    assert refusals.incompatibility() is None, refusals.incompatibility()
     return registration

@@ -25,11 +25,11 @@ def test_plugin_loads_through_the_entry_point_in_a_fresh_process():
         from sglang.srt.plugins import load_plugins
         from sglang.srt.plugins.hook_registry import HookRegistry
         load_plugins()
-        from megamoe_plugin.sglang_plugin import registration
+        from megamoe_plugin.sglang_plugin import refusals, registration
         from sglang.srt.arg_groups.choices import MOE_RUNNER_BACKEND_CHOICES
         eps = [ep.value for ep in entry_points(group="sglang.srt.plugins") if ep.name == "megamoe_sm90"]
         print(json.dumps(dict(
-            entry_points=eps, registered=registration.is_registered(), problem=registration.problem(),
+            entry_points=eps, registered=registration.is_registered(), problem=refusals.incompatibility(),
             choices=MOE_RUNNER_BACKEND_CHOICES.count("megamoe_sm90"), patched=sorted(HookRegistry._patched),
             wrapped={t: getattr(pkgutil.resolve_name(t), "__wrapped__", None) is not None for t in %r})))
     """ % (HOOKED,))
@@ -147,7 +147,7 @@ def test_a_changed_signature_is_found(registered, monkeypatch):
 
 
 def test_an_unsupported_sglang_is_refused_when_the_backend_is_selected(registered, monkeypatch, sm90_platform):
-    from megamoe_plugin.sglang_plugin import registration
+    from megamoe_plugin.sglang_plugin import refusals, registration
     from megamoe_plugin.sglang_plugin.refusals import IncompatibleSGLangError
 
     assert registration.version_problem("0.5.23") is None
@@ -156,7 +156,7 @@ def test_an_unsupported_sglang_is_refused_when_the_backend_is_selected(registere
     assert registration.version_problem("0.6.0") is not None
 
     reason = "sglang's x takes (a), the plugin was written for (b)"
-    monkeypatch.setattr(registration, "_problem", reason)
+    monkeypatch.setattr(refusals, "_incompatibility", reason)
     with pytest.raises(IncompatibleSGLangError) as info:
         _resolve_mega_moe(_parse("--moe-runner-backend", BACKEND))
     assert str(info.value).startswith(f"--moe-runner-backend {BACKEND} cannot run on this sglang: {reason}")
