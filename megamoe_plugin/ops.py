@@ -12,7 +12,6 @@ entries) reaches the log through `watchdog`, started with the first kernel load.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.metadata
 import math
@@ -26,8 +25,9 @@ from .buffer import SymmBuffer
 from .heuristics import DEFAULT_NUMERICS
 from .jit import (NUM_THREADS, KERNEL_NAME, KernelMissingError, KernelVariant, compile_variant, compile_variants,
                   missing_variants)
-from .jit.cli import build_command
+from .jit.command import build_command
 from .progress import progress_bar
+from .variants import block_m_from_env, num_stages_from_env, variant_for
 from .watchdog import Watchdog
 from .weights import unpack_pair
 
@@ -226,32 +226,6 @@ def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_
         raise ValueError(f"config_num_tokens must be a non-negative int or None, got {config_num_tokens!r}")
 
 
-def _forced_block_m() -> Optional[int]:
-    """MEGAMOE_BLOCK_M: run every call with this tier (measuring tiers, testing them)."""
-    from .heuristics import IMPLEMENTED_BLOCK_M
-
-    value = os.environ.get("MEGAMOE_BLOCK_M")
-    if not value:
-        return None
-    if not value.isdigit() or int(value) not in IMPLEMENTED_BLOCK_M:
-        raise ValueError(f"MEGAMOE_BLOCK_M must be one of the implemented tiers {IMPLEMENTED_BLOCK_M}, got {value!r}")
-    return int(value)
-
-
-def _forced_num_stages() -> Optional[int]:
-    """MEGAMOE_NUM_STAGES: run every call with this pipeline depth (measuring depths; the
-    tuning sweep forces each candidate config with it and MEGAMOE_BLOCK_M). variant_for
-    checks that it fits the tier in shared memory."""
-    from .heuristics import MIN_STAGES
-
-    value = os.environ.get("MEGAMOE_NUM_STAGES")
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < MIN_STAGES:
-        raise ValueError(f"MEGAMOE_NUM_STAGES must be an integer >= {MIN_STAGES}, got {value!r}")
-    return int(value)
-
-
 def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool, numerics: str = DEFAULT_NUMERICS
                    ) -> KernelVariant:
     """The kernel variant a call with `num_tokens` (per rank) runs: the shipped table, else the
@@ -261,36 +235,8 @@ def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool, numerics: 
            *(os.environ.get(name) for name in ("MEGAMOE_BLOCK_M", "MEGAMOE_NUM_STAGES", "MEGAMOE_CONFIGS_DIR")))
     variant = _variants.get(key)
     if variant is None:
-        variant = _variants[key] = variant_for(*key[:6], _forced_block_m(), _forced_num_stages())
+        variant = _variants[key] = variant_for(*key[:6], block_m_from_env(), num_stages_from_env())
     return variant
-
-
-def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math: bool, numerics: str,
-                forced_block_m: Optional[int] = None, forced_num_stages: Optional[int] = None) -> KernelVariant:
-    """select_variant without a buffer or a GPU, for a buffer of shape `s` (buffer.BufferShape)
-    on `grid_size` SMs of `device_name` (tests/gpu/cases.py precompiles with it)."""
-    from .configs import lookup_config
-    from .heuristics import (KernelConfig, default_num_stages, implemented_block_m, max_pipeline_stages,
-                             runnable_block_m)
-
-    cfg = lookup_config(device_name, s.num_ranks, s.num_experts, s.num_topk, s.hidden, s.intermediate_size,
-                        num_tokens, grid_size, numerics=numerics)
-    if forced_block_m is not None and forced_block_m not in implemented_block_m(numerics):
-        raise ValueError(f"MEGAMOE_BLOCK_M={forced_block_m} is not implemented in {numerics!r} numerics (tiers "
-                         f"{implemented_block_m(numerics)})")
-    block_m = runnable_block_m(forced_block_m if forced_block_m is not None else cfg.block_m, fast_math)
-    if block_m != cfg.block_m:
-        stages = default_num_stages(block_m, s.num_local_experts, s.hidden, s.intermediate_size, numerics=numerics)
-        cfg = KernelConfig(block_m=block_m, num_stages=stages, num_sms=cfg.num_sms)
-    if forced_num_stages is not None:
-        most = max_pipeline_stages(cfg.block_m, s.num_local_experts, numerics=numerics)
-        if forced_num_stages > most:
-            raise ValueError(f"forced num_stages={forced_num_stages} (MEGAMOE_NUM_STAGES) does not fit: at most {most} "
-                             f"stages of block_m={cfg.block_m} fit in shared memory with {s.num_local_experts} local "
-                             f"experts in {numerics} numerics")
-        cfg = dataclasses.replace(cfg, num_stages=forced_num_stages)
-    return KernelVariant(s.hidden, s.intermediate_size, s.num_topk, s.num_experts, s.num_ranks, cfg.block_m,
-                         cfg.num_stages, fast_math, numerics)
 
 
 # (buffer shape, device name, grid size, tokens, fast_math, numerics, MEGAMOE_BLOCK_M, MEGAMOE_NUM_STAGES,

@@ -4,6 +4,7 @@ An installed wheel carries them inside the package (setup.py maps csrc/ and conf
 megamoe_plugin/_csrc and megamoe_plugin/_configs); a source checkout or an editable install
 uses the repository's own csrc/ and configs/.
 """
+import os
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -16,3 +17,9 @@ def _installed_or_source(installed: Path, source: Path) -> Path:
 
 CSRC_DIR = _installed_or_source(PACKAGE_DIR / "_csrc", REPO_DIR / "csrc")
 CONFIGS_DIR = _installed_or_source(PACKAGE_DIR / "_configs", REPO_DIR / "configs")
+
+
+def cache_dir() -> Path:
+    """The compiled-kernel cache (megamoe_plugin.jit): MEGAMOE_CACHE_DIR, else ~/.cache/megamoe_plugin."""
+    env = os.environ.get("MEGAMOE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "megamoe_plugin"

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import megamoe_plugin as mm
+from megamoe_plugin import variants
 from megamoe_plugin.testing import random_layer
 
 E, N, K, H, I = 4, 16, 2, 256, 256
@@ -101,36 +102,32 @@ def test_valid_call_without_sm90_gpu_raises_runtime_error(setup):
 @pytest.mark.parametrize("value, expected", [(None, None), ("", None), ("8", 8), ("32", 32), ("64", 64),
                                                      ("128", 128)])
 def test_forced_block_m(monkeypatch, value, expected):
-    from megamoe_plugin import ops
-
     if value is None:
         monkeypatch.delenv("MEGAMOE_BLOCK_M", raising=False)
     else:
         monkeypatch.setenv("MEGAMOE_BLOCK_M", value)
-    assert ops._forced_block_m() == expected
+    assert variants.block_m_from_env() == expected
 
 
 @pytest.mark.parametrize("value", ["48", "256", "x", "-8"])
 def test_forced_block_m_names_the_variable(monkeypatch, value):
-    from megamoe_plugin import ops
-
     monkeypatch.setenv("MEGAMOE_BLOCK_M", value)
     with pytest.raises(ValueError, match="MEGAMOE_BLOCK_M must be one of the implemented tiers"):
-        ops._forced_block_m()
+        variants.block_m_from_env()
 
 
 def test_forced_block_m_128_is_refused_in_exact_numerics(monkeypatch):
-    from megamoe_plugin import jit, ops
+    from megamoe_plugin import jit
     from megamoe_plugin.buffer import BufferShape
 
     shape = BufferShape(1, 32, 512, 6, 4096, 2048)
-    assert ops.variant_for(shape, "NVIDIA H200", 132, 512, True, "fast", forced_block_m=128).block_m == 128
+    assert variants.variant_for(shape, "NVIDIA H200", 132, 512, True, "fast", forced_block_m=128).block_m == 128
     # fast_math=False's IEEE divisions would call out of the register-rebalanced region: 64 runs it.
-    assert ops.variant_for(shape, "NVIDIA H200", 132, 512, False, "fast", forced_block_m=128).block_m == 64
+    assert variants.variant_for(shape, "NVIDIA H200", 132, 512, False, "fast", forced_block_m=128).block_m == 64
     with pytest.raises(ValueError, match="needs fast_math=True"):
         jit.KernelVariant(4096, 2048, 6, 32, 1, 128, 4, False, "fast")
     with pytest.raises(ValueError, match=r"MEGAMOE_BLOCK_M=128 is not implemented in 'exact' numerics"):
-        ops.variant_for(shape, "NVIDIA H200", 132, 512, True, "exact", forced_block_m=128)
+        variants.variant_for(shape, "NVIDIA H200", 132, 512, True, "exact", forced_block_m=128)
 
 
 def test_numerics_default_comes_from_the_environment(monkeypatch):
@@ -184,7 +181,7 @@ def test_select_variant_is_memoized_and_follows_forced_block_m(monkeypatch, tmp_
 def test_every_selected_variant_fits_shared_memory_in_its_mode(monkeypatch):
     """The config a call gets (table or heuristic) must fit the mode it runs in: exact L1 needs
     more shared memory than fast (its FP16 token staging)."""
-    from megamoe_plugin import jit, ops
+    from megamoe_plugin import jit
     from megamoe_plugin.buffer import BufferShape
     from megamoe_plugin.heuristics import NUMERICS_MODES, SMEM_LIMIT
 
@@ -193,27 +190,23 @@ def test_every_selected_variant_fits_shared_memory_in_its_mode(monkeypatch):
         shape = BufferShape(1, experts, 512, topk, hidden, inter)
         for numerics in NUMERICS_MODES:
             for n in range(0, 513, 7):
-                variant = ops.variant_for(shape, "NVIDIA H200", 132, n, True, numerics)
+                variant = variants.variant_for(shape, "NVIDIA H200", 132, n, True, numerics)
                 assert jit.smem_bytes_of(variant) <= SMEM_LIMIT, variant
 
 
 @pytest.mark.parametrize("value", ["1", "x", "-4"])
 def test_forced_num_stages_names_the_variable(monkeypatch, value):
-    from megamoe_plugin import ops
-
     monkeypatch.setenv("MEGAMOE_NUM_STAGES", value)
     with pytest.raises(ValueError, match=r"MEGAMOE_NUM_STAGES must be an integer >= 2, got"):
-        ops._forced_num_stages()
+        variants.num_stages_from_env()
 
 
 def test_forced_num_stages_must_fit_the_tier():
-    from megamoe_plugin import ops
-
     buf = mm.get_symm_buffer(None, 32, 512, 6, 4096, 2048, device="cpu")
-    assert ops.variant_for(buf.shape, "Test GPU", 132, 512, True, "fast", 64, 5).num_stages == 5
+    assert variants.variant_for(buf.shape, "Test GPU", 132, 512, True, "fast", 64, 5).num_stages == 5
     with pytest.raises(ValueError, match=r"forced num_stages=5 \(MEGAMOE_NUM_STAGES\) does not fit: at most 4 stages "
                                          r"of block_m=64 fit in shared memory with 32 local experts in exact numerics"):
-        ops.variant_for(buf.shape, "Test GPU", 132, 512, True, "exact", 64, 5)
+        variants.variant_for(buf.shape, "Test GPU", 132, 512, True, "exact", 64, 5)
 
 
 def test_select_variant_follows_forced_num_stages_and_configs_dir(monkeypatch, tmp_path):

@@ -13,8 +13,8 @@ import pytest
 
 import megamoe_plugin as mm
 from megamoe_plugin import jit, ops, progress
-from megamoe_plugin.jit import cli
-from megamoe_plugin.jit.build import deployment_variants
+from megamoe_plugin.jit import cli, command
+from megamoe_plugin.variants import deployment_variants
 from megamoe_plugin.model_config import MoEShape, shape_from_args
 
 HAVE_NVCC = shutil.which("nvcc") is not None or os.path.exists(os.path.join(jit.STANDARD_CUDA_HOME, "bin", "nvcc"))
@@ -33,14 +33,14 @@ def fresh_toolchain():
         fn.cache_clear()
 
 
-def build_command_variants(command):
+def build_command_variants(command_line):
     """The variants the printed --build command line compiles."""
-    argv = shlex.split(command)
+    argv = shlex.split(command_line)
     assert argv[:4] == ["python", "-m", "megamoe_plugin.jit", "--build"]
     parser = cli.parser()
     args = parser.parse_args(argv[3:])
     shape = shape_from_args(args, parser, required=True)
-    return args, deployment_variants(shape, args.ep_size, cli.parse_batch_sizes(args.batch_sizes), args.gpu,
+    return args, deployment_variants(shape, args.ep_size, command.parse_batch_sizes(args.batch_sizes), args.gpu,
                                      tuple(args.numerics.split(",")), args.fast_math)
 
 
@@ -78,7 +78,7 @@ def test_build_then_load_without_nvcc(jit_cache, fresh_toolchain, request):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "1 of 1 variants built in " + str(jit_cache) in proc.stdout
-    (variant,) = deployment_variants(TINY, 1, [1], cli.DEFAULT_GPU, ("fast",))
+    (variant,) = deployment_variants(TINY, 1, [1], command.DEFAULT_GPU, ("fast",))
     toolchain, _ = jit.find_toolchain()
     built = jit.cached_build(variant, toolchain)
     assert built is not None and built.parent == jit.entry_dir(variant)
@@ -142,7 +142,7 @@ def test_build_cli_compiles_the_selected_variants_with_progress(jit_cache, monke
     assert cli.main(["--build", "--model", str(config), "--ep-size", "2", "--batch-sizes", "0-512",
                      "--cache-dir", str(jit_cache)]) == 0
     shape = MoEShape(2048, 768, 128, 8)
-    expected = deployment_variants(shape, 2, range(513), cli.DEFAULT_GPU)
+    expected = deployment_variants(shape, 2, range(513), command.DEFAULT_GPU)
     assert sorted(built, key=expected.index) == expected and len(set(built)) == len(built)
     assert {v.numerics for v in built} == {"fast", "exact"} and {v.num_ranks for v in built} == {2}
     out, err = capsys.readouterr()
@@ -165,11 +165,11 @@ def test_build_without_a_toolchain_is_one_line(jit_cache, no_nvcc):
 
 @pytest.mark.parametrize("text, counts", [("8", [8]), ("0-3,8,2", [0, 1, 2, 3, 8]), (" 1 , 4-5", [1, 4, 5])])
 def test_batch_sizes(text, counts):
-    assert cli.parse_batch_sizes(text) == counts
-    assert cli.parse_batch_sizes(cli.format_batch_sizes(counts)) == counts
+    assert command.parse_batch_sizes(text) == counts
+    assert command.parse_batch_sizes(command.format_batch_sizes(counts)) == counts
 
 
 @pytest.mark.parametrize("text", ["", "a", "1-", "-4", "3-1x"])
 def test_bad_batch_sizes(text):
     with pytest.raises(ValueError, match="batch sizes"):
-        cli.parse_batch_sizes(text)
+        command.parse_batch_sizes(text)

@@ -7,8 +7,8 @@ per toolchain, in a folder named by nvcc's version and the CUTLASS headers' vers
 build (compiling it if missing), so a changed source, header or toolkit never reuses a
 stale cubin. Where they are not (a serving container has the driver, not the toolkit), any
 build of the key loads, the newest toolchain first: a cache folder pre-built with
-`python -m megamoe_plugin.jit --build` (megamoe_plugin.jit.build) and copied there as
-MEGAMOE_CACHE_DIR runs without nvcc; a variant it lacks raises KernelMissingError, which
+`python -m megamoe_plugin.jit --build` (megamoe_plugin.variants picks the variants,
+megamoe_plugin.jit.build compiles them) and copied there as MEGAMOE_CACHE_DIR runs without nvcc; a variant it lacks raises KernelMissingError, which
 names the --build command.
 
 Several ranks may compile the same variant at once: each compiles into its own temp
@@ -37,7 +37,7 @@ from typing import Callable, List, Optional, Tuple, Union
 
 from ..buffer import SIGNAL_WORDS
 from ..heuristics import DEFAULT_NUMERICS, REBALANCED_BLOCK_M, implemented_block_m
-from ..paths import CSRC_DIR
+from ..paths import CSRC_DIR, cache_dir
 
 KERNEL_NAME = "megamoe_fused_kernel"
 NUM_THREADS = 384
@@ -88,11 +88,6 @@ class KernelVariant:
 
 def _camel(snake: str) -> str:
     return "".join(part.capitalize() for part in snake.split("_"))
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("MEGAMOE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "megamoe_plugin"
 
 
 # Where the CUDA toolkit is when neither MEGAMOE_NVCC, PATH nor CUDA_HOME says.
@@ -260,7 +255,7 @@ def compile_variant(variant: KernelVariant, verbose: bool = False) -> CompiledKe
     toolchain, why = find_toolchain()
     build = cached_build(variant, toolchain)
     if build is None and toolchain is None:
-        from .cli import build_command
+        from .command import build_command
 
         raise KernelMissingError([variant], why, build_command(
             variant.hidden, variant.intermediate_size, variant.num_experts, variant.num_topk, variant.num_ranks,
@@ -392,7 +387,7 @@ def reference_variants() -> List[KernelVariant]:
             num_experts = num_local_experts * num_ranks
             for tokens in REFERENCE_TOKENS_PER_RANK:
                 cfg = default_config(num_ranks, num_experts, topk, hidden, inter, tokens, 132, numerics)
-                for fast_math in (True, False):  # as ops.variant_for picks without a table
+                for fast_math in (True, False):  # as variants.variant_for picks without a table
                     block_m = runnable_block_m(cfg.block_m, fast_math)
                     stages = cfg.num_stages if block_m == cfg.block_m else default_num_stages(
                         block_m, num_local_experts, hidden, inter, numerics=numerics)

@@ -298,8 +298,8 @@ def check_kernels_loadable(hidden: int, intermediate_size: int, num_experts: int
     rank) must be in the cache, or the first forward would fail: refused here, naming the
     --build command that pre-builds them."""
     from .. import jit
-    from ..jit.build import deployment_variants
-    from ..jit.cli import build_command
+    from ..jit.command import build_command
+    from ..variants import deployment_variants
     from ..model_config import MoEShape
     from ..ops import resolve_numerics
 

@@ -66,7 +66,7 @@ def call_variants(num_ranks, num_experts, topk, hidden, inter, max_tokens, num_s
     = forced_block_m)."""
     from megamoe_plugin.buffer import BufferShape
     from megamoe_plugin.heuristics import NUMERICS_MODES
-    from megamoe_plugin.ops import variant_for
+    from megamoe_plugin.variants import variant_for
 
     shape = BufferShape(num_ranks, num_experts, max_tokens, topk, hidden, inter)
     return list(dict.fromkeys(

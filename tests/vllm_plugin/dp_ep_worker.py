@@ -76,6 +76,7 @@ def _to_bytes(obj) -> bytes:
 def install_stand_ins(rec):
     import megamoe_plugin as mm
     import megamoe_plugin.ops as ops
+    import megamoe_plugin.variants as variants
     from megamoe_plugin.buffer import BufferShape, SymmBuffer, get_symm_buffer_size
     from megamoe_plugin.vllm_plugin import executor, refusals
 
@@ -104,7 +105,7 @@ def install_stand_ins(rec):
         y.copy_(ys[buf.rank])
 
         def variant(num_tokens):  # the one an H200 would run
-            return dataclasses.asdict(ops.variant_for(buf.shape, "NVIDIA H200", 132, num_tokens, True, "fast"))
+            return dataclasses.asdict(variants.variant_for(buf.shape, "NVIDIA H200", 132, num_tokens, True, "fast"))
 
         rec.ops.append(dict(n=n, config_num_tokens=config_num_tokens, buffer_rank=buf.rank,
                             variant=variant(config_num_tokens), local_variant=variant(n)))

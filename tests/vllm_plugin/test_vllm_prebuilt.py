@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 from conftest import build_moe  # noqa: E402
 from test_vllm_refusals import FakeProbe, _refused, kernel_executor  # noqa: E402,F401
 
-from megamoe_plugin.jit.build import deployment_variants  # noqa: E402
+from megamoe_plugin.variants import deployment_variants  # noqa: E402
 from megamoe_plugin.model_config import MoEShape  # noqa: E402
 from megamoe_plugin.vllm_plugin import refusals  # noqa: E402
 

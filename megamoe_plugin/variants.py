@@ -1,0 +1,87 @@
+"""Which kernel variant a call runs: the shipped tuned table, else the heuristic, with
+MEGAMOE_BLOCK_M / MEGAMOE_NUM_STAGES forcing the tier and depth (variant_for; ops.select_variant
+memoizes it per call shape), and every variant a deployment's calls select
+(deployment_variants: what `python -m megamoe_plugin.jit --build` pre-builds). One selection
+for both, so a pre-built cache holds exactly what the calls load."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Iterable, List, Optional, Sequence
+
+from .buffer import BufferShape
+from .heuristics import NUMERICS_MODES
+from .jit import KernelVariant
+from .model_config import MoEShape
+
+
+def block_m_from_env() -> Optional[int]:
+    """MEGAMOE_BLOCK_M: run every call with this tier (measuring tiers, testing them)."""
+    from .heuristics import IMPLEMENTED_BLOCK_M
+
+    value = os.environ.get("MEGAMOE_BLOCK_M")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) not in IMPLEMENTED_BLOCK_M:
+        raise ValueError(f"MEGAMOE_BLOCK_M must be one of the implemented tiers {IMPLEMENTED_BLOCK_M}, got {value!r}")
+    return int(value)
+
+
+def num_stages_from_env() -> Optional[int]:
+    """MEGAMOE_NUM_STAGES: run every call with this pipeline depth (measuring depths; the
+    tuning sweep forces each candidate config with it and MEGAMOE_BLOCK_M). variant_for
+    checks that it fits the tier in shared memory."""
+    from .heuristics import MIN_STAGES
+
+    value = os.environ.get("MEGAMOE_NUM_STAGES")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < MIN_STAGES:
+        raise ValueError(f"MEGAMOE_NUM_STAGES must be an integer >= {MIN_STAGES}, got {value!r}")
+    return int(value)
+
+
+def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math: bool, numerics: str,
+                forced_block_m: Optional[int] = None, forced_num_stages: Optional[int] = None) -> KernelVariant:
+    """select_variant without a buffer or a GPU, for a buffer of shape `s` (buffer.BufferShape)
+    on `grid_size` SMs of `device_name` (tests/gpu/cases.py precompiles with it)."""
+    from .configs import lookup_config
+    from .heuristics import (KernelConfig, default_num_stages, implemented_block_m, max_pipeline_stages,
+                             runnable_block_m)
+
+    cfg = lookup_config(device_name, s.num_ranks, s.num_experts, s.num_topk, s.hidden, s.intermediate_size,
+                        num_tokens, grid_size, numerics=numerics)
+    if forced_block_m is not None and forced_block_m not in implemented_block_m(numerics):
+        raise ValueError(f"MEGAMOE_BLOCK_M={forced_block_m} is not implemented in {numerics!r} numerics (tiers "
+                         f"{implemented_block_m(numerics)})")
+    block_m = runnable_block_m(forced_block_m if forced_block_m is not None else cfg.block_m, fast_math)
+    if block_m != cfg.block_m:
+        stages = default_num_stages(block_m, s.num_local_experts, s.hidden, s.intermediate_size, numerics=numerics)
+        cfg = KernelConfig(block_m=block_m, num_stages=stages, num_sms=cfg.num_sms)
+    if forced_num_stages is not None:
+        most = max_pipeline_stages(cfg.block_m, s.num_local_experts, numerics=numerics)
+        if forced_num_stages > most:
+            raise ValueError(f"forced num_stages={forced_num_stages} (MEGAMOE_NUM_STAGES) does not fit: at most {most} "
+                             f"stages of block_m={cfg.block_m} fit in shared memory with {s.num_local_experts} local "
+                             f"experts in {numerics} numerics")
+        cfg = dataclasses.replace(cfg, num_stages=forced_num_stages)
+    return KernelVariant(s.hidden, s.intermediate_size, s.num_topk, s.num_experts, s.num_ranks, cfg.block_m,
+                         cfg.num_stages, fast_math, numerics)
+
+
+# The grid size given to the selection: it sets only the launch's CTA count, which is no
+# template argument, so any value selects the same variants.
+_ANY_GRID_SIZE = 132
+
+
+def deployment_variants(shape: MoEShape, ep_size: int, batch_sizes: Iterable[int], gpu: str,
+                        numerics: Sequence[str] = NUMERICS_MODES, fast_math: bool = True) -> List[KernelVariant]:
+    """Every variant the calls of `shape` on `ep_size` ranks select on `gpu` at each batch
+    size (tokens per rank), in each numerics mode; MEGAMOE_BLOCK_M and MEGAMOE_NUM_STAGES
+    apply as at run time. Raises ValueError for a shape the kernel does not take."""
+    counts = sorted(set(int(n) for n in batch_sizes))
+    buffer_shape = BufferShape(ep_size, shape.num_experts, max(counts[-1], 1), shape.num_topk, shape.hidden,
+                               shape.intermediate_size)
+    forced = (block_m_from_env(), num_stages_from_env())
+    return list(dict.fromkeys(variant_for(buffer_shape, gpu, _ANY_GRID_SIZE, n, fast_math, mode, *forced)
+                              for mode in numerics for n in counts))
