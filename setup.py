@@ -66,7 +66,8 @@ setup(
         "bench": ["matplotlib", "tqdm"],  # megamoe-bench's plot and progress bar (both optional)
         "vllm": ["vllm>=0.24"],
         # Its own environment: sglang and vllm pin different torch versions (docs/sglang.md).
-        "sglang": ["sglang>=0.5.23,<0.6"],
+        # 0.5.17 or 0.5.23 and later 0.5.x (sglang_plugin/registration.py); pip picks the newest.
+        "sglang": ["sglang>=0.5.17,<0.6,!=0.5.18,!=0.5.19,!=0.5.20,!=0.5.21,!=0.5.22"],
         "cutlass": ["nvidia-cutlass>=3.5"],
     },
     entry_points={

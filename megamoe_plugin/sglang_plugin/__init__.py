@@ -20,7 +20,10 @@ idempotent and touches no CUDA. It
    and kernel, or the float32 reference under MEGAMOE_EXECUTOR=reference).
 
 Before any of that it checks the SGLang version and the signature of every function it
-hooks (registration.py); see docs/sglang.md.
+hooks (registration.py); see docs/sglang.md. That is sglang 0.5.23 and later 0.5.x; sglang
+0.5.17 (the release whose pins fit torch 2.11) has other hook points for the same three
+steps: the choice in server_args, resolution around `ServerArgs.__post_init__`, and the
+layer hooks adapted to its DeepSeek-V2-only mega-MoE forward (registration.SIGNATURES_0_5_17).
 """
 from __future__ import annotations
 

@@ -9,6 +9,11 @@ so DeepGEMM's `--moe-a2a-backend megamoe` keeps working with the plugin installe
                                   device group, sized by SGLang's per-rank token cap
     routed forward  (forward)     staging + kernel (warmed up before its first call), or the
                                   float32 reference under MEGAMOE_EXECUTOR=reference
+
+sglang 0.5.17 (HOOKS_0_5_17) hands the routed forward DeepSeek-V2's MoE block and asks for the
+buffer without an MMA type; its adapters read the same facts off the block and call the same
+code. It also leaves the mega-MoE path for the usual MoE forward when a batch is over the
+token cap, which our weight layout cannot serve: that is refused instead.
 """
 from __future__ import annotations
 
@@ -96,6 +101,16 @@ def get_buffer(original, group, num_experts, num_max_tokens_per_rank, num_topk, 
             f"a mega-MoE buffer with mma_type={mma_type!r}, activation={activation!r} and {num_shared_experts} "
             "fused shared experts: the kernel runs FP8 SwiGLU experts without shared experts",
             refusals.HINTS.pick_other)
+    return _buffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden)
+
+
+def get_buffer_0_5_17(original, group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden):
+    if not selected():
+        return original(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden)
+    return _buffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden)
+
+
+def _buffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden):
     ep = group if serving.get_executor() == "kernel" else None
     return serving.get_buffer(_ep_group(ep), _device(), num_experts, num_max_tokens_per_rank, num_topk, hidden,
                               intermediate_hidden)
@@ -115,6 +130,12 @@ def run_routed(original, experts, hidden_states, topk_ids, topk_weights, buf, nu
     if not selected():
         return original(experts, hidden_states, topk_ids, topk_weights, buf, num_tokens, hidden_size=hidden_size,
                         activation_clamp=activation_clamp, routed_scaling_factor=routed_scaling_factor)
+    return _run_routed(experts, hidden_states, topk_ids, topk_weights, buf, num_tokens, hidden_size,
+                       activation_clamp, routed_scaling_factor)
+
+
+def _run_routed(experts, hidden_states, topk_ids, topk_weights, buf, num_tokens, hidden_size,
+                activation_clamp: Optional[float], routed_scaling_factor: float):
     hidden_states = hidden_states[:num_tokens].contiguous()
     if routed_scaling_factor != 1.0:
         topk_weights = topk_weights * routed_scaling_factor
@@ -133,9 +154,37 @@ def run_routed(original, experts, hidden_states, topk_ids, topk_weights, buf, nu
     return y
 
 
+def run_routed_0_5_17(original, moe, hidden_states, topk_ids, topk_weights, buf, num_tokens):
+    if not selected():
+        return original(moe, hidden_states, topk_ids, topk_weights, buf, num_tokens)
+    # What 0.5.17's own SM90 forward reads off the block.
+    scaling = 1.0 if moe.experts.should_fuse_routed_scaling_factor_in_topk else float(moe.routed_scaling_factor)
+    return _run_routed(moe.experts, hidden_states, topk_ids, topk_weights, buf, num_tokens, moe.config.hidden_size,
+                       getattr(moe.config, "swiglu_limit", None), scaling)
+
+
+def should_use_0_5_17(original, moe, hidden_states) -> bool:
+    use = original(moe, hidden_states)
+    if not use and selected() and getattr(moe.experts, MARK, False):
+        raise refusals.MegaMoEUnsupportedError(
+            f"a forward of {hidden_states.shape[0]} tokens on this rank (or more on another DP rank) is over "
+            "the per-rank token cap, and sglang 0.5.17 would run the model's usual MoE forward, which cannot "
+            "read the kernel's weight layout",
+            "raise SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK or lower --cuda-graph-max-bs / "
+            "--max-running-requests / --chunked-prefill-size")
+    return use
+
+
 HOOKS = {
     _SM90 + "build_sm90_mega_moe_experts_weights": build_weights,
     _SM90 + "is_sm90_fp8_mega_moe_available": is_available,
     _MEGA + "_get_mega_moe_symm_buffer": get_buffer,
     _SM90 + "run_sm90_mega_routed": run_routed,
+}
+HOOKS_0_5_17 = {
+    _SM90 + "build_sm90_mega_moe_experts_weights": build_weights,
+    _SM90 + "is_sm90_fp8_mega_moe_available": is_available,
+    _MEGA + "_get_mega_moe_symm_buffer": get_buffer_0_5_17,
+    _SM90 + "run_sm90_mega_routed": run_routed_0_5_17,
+    _MEGA + "should_use_mega_moe": should_use_0_5_17,
 }

@@ -56,6 +56,31 @@ def check_arguments(cfg) -> None:
             "leave --moe-a2a-backend unset")
 
 
+def check_resolved_0_5_17(server_args, architecture: str, mega_moe_archs, token_cap: int) -> None:
+    """sglang 0.5.17's resolved arguments (its own resolution checks none of this for SM90)."""
+    if architecture not in mega_moe_archs:
+        raise MegaMoEUnsupportedError(
+            f"{architecture} on sglang 0.5.17: only {', '.join(mega_moe_archs)} take its mega-MoE forward",
+            f"serve one of those, use sglang >=0.5.23 (more models), or {HINTS.pick_other}")
+    if server_args.enable_two_batch_overlap or server_args.enable_single_batch_overlap:
+        raise MegaMoEUnsupportedError("two-/single-batch overlap: the kernel has no dispatch/combine split",
+                                      "drop --enable-two-batch-overlap / --enable-single-batch-overlap")
+    # A forward over the per-rank token cap leaves the mega-MoE path for the model's usual MoE
+    # forward, which cannot read weights in the kernel's layout: bound the prefill chunk here
+    # (layer.py refuses any other overflow when it happens).
+    chunk = server_args.chunked_prefill_size
+    if chunk is None or chunk <= 0:
+        raise MegaMoEUnsupportedError("unbounded prefill (chunked prefill off): a forward could exceed the "
+                                      f"per-rank token cap {token_cap}", "pass a positive --chunked-prefill-size")
+    per_rank = -(-chunk // server_args.dp_size) if server_args.enable_dp_attention else chunk
+    if per_rank > token_cap:
+        raise MegaMoEUnsupportedError(
+            f"a prefill chunk of {per_rank} tokens per rank, over the per-rank token cap {token_cap} "
+            "(SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK)",
+            f"pass --chunked-prefill-size of at most {token_cap}"
+            f"{' per DP rank' if server_args.enable_dp_attention else ''} or raise the cap")
+
+
 def check_experts(experts, *, executor: str, device_sm: Optional[int], device_name: str) -> None:
     """A MoE layer (SGLang's FusedMoE) at weight build: quantization, activation, shapes, device.
     `device_sm` is SGLang's own reading (90 for SM90, 0 without CUDA)."""

@@ -19,17 +19,14 @@ from . import BACKEND, refusals
 
 logger = logging.getLogger("megamoe_plugin.sglang")
 
-# Written for and tested with 0.5.23; a later 0.5.x is accepted while every hooked
-# function keeps the signature below.
-MIN_VERSION = (0, 5, 23)
-BELOW_VERSION = (0, 6)
-SUPPORTED_RANGE = ">=0.5.23,<0.6"
-
 _MOE = "sglang.srt.layers.moe."
 _ARGS = "sglang.srt.arg_groups."
 # Every SGLang function the plugin wraps or calls, with the parameters it was written for
-# (names, kinds and defaults; annotations are ignored).
-EXPECTED_SIGNATURES: Dict[str, str] = {
+# (names, kinds and defaults; annotations are ignored), per line of sglang releases.
+#
+# 0.5.23 (and a later 0.5.x while these hold): the mega-MoE path takes the resolved layer
+# arguments, and argument resolution has named hooks (arg_groups.resolution_hooks).
+SIGNATURES_0_5_23: Dict[str, str] = {
     _MOE + "mega_moe_sm90.build_sm90_mega_moe_experts_weights": "(experts)",
     _MOE + "mega_moe_sm90.is_sm90_fp8_mega_moe_available": "(experts)",
     _MOE + "mega_moe_sm90.run_sm90_mega_routed":
@@ -44,6 +41,25 @@ EXPECTED_SIGNATURES: Dict[str, str] = {
     _ARGS + "overrides.declare_resolution": "(server_args, source, **fields)",
     _ARGS + "resolution_hooks.register_resolution_hook": "(name)",
 }
+# 0.5.17, the one release with the SM90 mega-MoE path that pins torch 2.11 (docs/sglang.md,
+# "Which sglang releases"): the routed forward takes DeepSeek-V2's MoE block, the buffer has
+# no MMA type, and resolution has no hooks: the plugin wraps ServerArgs.__post_init__.
+SIGNATURES_0_5_17: Dict[str, str] = {
+    _MOE + "mega_moe_sm90.build_sm90_mega_moe_experts_weights": "(experts)",
+    _MOE + "mega_moe_sm90.is_sm90_fp8_mega_moe_available": "(experts)",
+    _MOE + "mega_moe_sm90.run_sm90_mega_routed": "(moe, hidden_states, topk_ids, topk_weights, buf, num_tokens)",
+    _MOE + "mega_moe._get_mega_moe_symm_buffer":
+        "(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden)",
+    _MOE + "mega_moe.should_use_mega_moe": "(moe, hidden_states)",
+    "sglang.srt.server_args.ServerArgs.__post_init__": "(self)",
+    "sglang.srt.server_args.add_moe_runner_backend_choices": "(choices)",
+}
+# (first version, first version past it, signatures): the releases the plugin was written for.
+LINES: Tuple[Tuple[Tuple[int, ...], Tuple[int, ...], Dict[str, str]], ...] = (
+    ((0, 5, 17), (0, 5, 18), SIGNATURES_0_5_17),
+    ((0, 5, 23), (0, 6), SIGNATURES_0_5_23),
+)
+SUPPORTED_RANGE = "==0.5.17 or >=0.5.23,<0.6"
 
 _lock = threading.RLock()
 _registered = False
@@ -71,37 +87,62 @@ def _version_tuple(text: str) -> Tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
 
 
-def version_problem(version: str) -> Optional[str]:
+def signatures_for(version: str) -> Optional[Dict[str, str]]:
+    """The hooked functions' expected signatures for this sglang version (None: unsupported)."""
     v = _version_tuple(version)
-    if not MIN_VERSION <= v < BELOW_VERSION:
+    for first, past, signatures in LINES:
+        if first <= v < past:
+            return signatures
+    return None
+
+
+def version_problem(version: str) -> Optional[str]:
+    if signatures_for(version) is None:
         return f"it was written for sglang {SUPPORTED_RANGE}, this is sglang {version}"
     return None
 
 
-def signature_problem(resolve: Callable[[str], object] = pkgutil.resolve_name) -> Optional[str]:
+def signature_problem(expected: Dict[str, str],
+                      resolve: Callable[[str], object] = pkgutil.resolve_name) -> Optional[str]:
     """The first hooked function that is missing or changed, described; None when all match."""
-    for path, expected in EXPECTED_SIGNATURES.items():
+    for path, signature in expected.items():
         try:
             fn = resolve(path)
         except (ImportError, AttributeError) as e:
             return f"sglang has no {path} ({type(e).__name__}: {e})"
         found = signature_text(fn)
-        if found != expected:
-            return f"sglang's {path} takes {found}, the plugin was written for {expected}"
+        if found != signature:
+            return f"sglang's {path} takes {found}, the plugin was written for {signature}"
     return None
 
 
+def is_0_5_17() -> bool:
+    """Whether the running sglang is the 0.5.17 line (its own hook points, see SIGNATURES_0_5_17)."""
+    import sglang
+
+    return signatures_for(getattr(sglang, "__version__", "unknown")) is SIGNATURES_0_5_17
+
+
 def _add_backend_choice() -> None:
-    from sglang.srt.arg_groups.choices import MOE_RUNNER_BACKEND_CHOICES, add_moe_runner_backend_choices
+    if is_0_5_17():
+        from sglang.srt.server_args import MOE_RUNNER_BACKEND_CHOICES, add_moe_runner_backend_choices
+    else:
+        from sglang.srt.arg_groups.choices import MOE_RUNNER_BACKEND_CHOICES, add_moe_runner_backend_choices
 
     if BACKEND not in MOE_RUNNER_BACKEND_CHOICES:
         add_moe_runner_backend_choices([BACKEND])
 
 
 def _install_resolution_hooks() -> None:
-    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
-
     from . import resolution
+
+    if is_0_5_17():
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(resolution.SERVER_ARGS_POST_INIT, resolution.post_init_0_5_17, HookType.AROUND)
+        HookRegistry.apply_hooks()  # as in _install_layer_hooks
+        return
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
     register_resolution_hook("handle_mega_moe")(resolution.handle_mega_moe)
     register_resolution_hook("validate_mega_moe_token_budget_for_model")(resolution.validate_token_budget)
@@ -112,7 +153,7 @@ def _install_layer_hooks() -> None:
 
     from . import layer
 
-    for target, hook in layer.HOOKS.items():
+    for target, hook in (layer.HOOKS_0_5_17 if is_0_5_17() else layer.HOOKS).items():
         HookRegistry.register(target, hook, HookType.AROUND)
     # Inside load_plugins() SGLang applies the hooks right after the plugins ran; applying
     # them here too covers a direct register() call (already patched targets are skipped).
@@ -128,7 +169,9 @@ def register() -> None:
         try:
             import sglang
 
-            why = version_problem(getattr(sglang, "__version__", "unknown")) or signature_problem()
+            version = getattr(sglang, "__version__", "unknown")
+            expected = signatures_for(version)
+            why = version_problem(version) if expected is None else signature_problem(expected)
             refusals.record_incompatibility(why)
             _add_backend_choice()
             _install_resolution_hooks()

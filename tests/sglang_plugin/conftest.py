@@ -6,6 +6,7 @@ with that reason. The folder is not named `sglang`: tests/ is on sys.path (tests
 so a tests/sglang folder is a namespace package `sglang` that find_spec finds where the real one
 is missing (CI's main environment collected these tests and failed them that way).
 """
+import importlib.metadata
 import importlib.util
 from pathlib import Path
 
@@ -15,8 +16,17 @@ HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 SKIP_REASON = ("sglang is not installed: the SGLang plugin tests run in their own environment "
                "(README, 'SGLang tests')")
 
+# The plugin has other hook points on sglang 0.5.17 (registration.SIGNATURES_0_5_17): those
+# tests run where sglang 0.5.17 is installed (README, "SGLang tests"), the others elsewhere.
+SGLANG_VERSION = importlib.metadata.version("sglang") if HAVE_SGLANG else None
+ON_0_5_17 = SGLANG_VERSION == "0.5.17"
+only_0_5_17 = pytest.mark.skipif(not ON_0_5_17, reason=f"sglang 0.5.17's hook points; this is sglang {SGLANG_VERSION}")
+not_0_5_17 = pytest.mark.skipif(ON_0_5_17, reason="sglang >= 0.5.23's hook points; this is sglang 0.5.17")
+
 # The vLLM tests' fixture model (config only): a Qwen3-MoE with 128x128 block-FP8 experts.
 FIXTURE_MODEL = Path(__file__).resolve().parents[1] / "vllm_plugin" / "fixtures" / "tiny_fp8_moe"
+# A DeepSeek-V3 of the same expert shapes (config only): sglang 0.5.17's mega-MoE models.
+DEEPSEEK_FIXTURE_MODEL = Path(__file__).resolve().parent / "fixtures" / "tiny_fp8_deepseek_v3"
 NUM_EXPERTS, TOPK, HIDDEN, INTERMEDIATE = 8, 2, 256, 128
 
 

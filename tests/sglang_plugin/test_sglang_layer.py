@@ -12,51 +12,12 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from conftest import HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOPK
-from contract_oracle import FP8, dequant_blocks, quant_blocks, quant_dequant_rows  # noqa: E402
+from conftest import HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOPK, not_0_5_17
+from contract_oracle import FP8
+from fp8_experts import Experts, expected, fp8_config, sm90_reference
 
-CAP = 64  # SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK
-
-
-class Experts(torch.nn.Module):
-    """The FusedMoE attributes SGLang's mega-MoE path and the plugin read, with the
-    checkpoint-layout parameters SGLang's Fp8MoEMethod creates for 128x128 blocks."""
-
-    def __init__(self, quant_config, seed=0):
-        super().__init__()
-        from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
-
-        g = torch.Generator().manual_seed(seed)
-        self.num_experts, self.top_k, self.hidden_size = NUM_EXPERTS, TOPK, HIDDEN
-        self.intermediate_size_per_partition, self.moe_ep_size, self.moe_tp_size = INTERMEDIATE, 1, 1
-        self.moe_runner_config = MoeRunnerConfig(activation="silu", is_gated=True)
-        self._mega_moe_nvfp4 = self._mega_moe_w4a4 = False  # FP8 experts (FusedMoE sets these at load)
-        self.quant_method = type("Fp8MoEMethod", (), {"quant_config": quant_config})()
-        w13, s13, w2, s2 = [], [], [], []
-        for _ in range(NUM_EXPERTS):
-            q, s = quant_blocks(torch.randn(2 * INTERMEDIATE, HIDDEN, generator=g) * 0.06)
-            w13.append(q), s13.append(s)
-            q, s = quant_blocks(torch.randn(HIDDEN, INTERMEDIATE, generator=g) * 0.06)
-            w2.append(q), s2.append(s)
-        for name, t in (("w13_weight", w13), ("w13_weight_scale_inv", s13), ("w2_weight", w2),
-                        ("w2_weight_scale_inv", s2)):
-            self.register_parameter(name, torch.nn.Parameter(torch.stack(t), requires_grad=False))
-
-
-def _expected(x, ids, weights, w13, s13, w2, s2):
-    xq = quant_dequant_rows(x)
-    out = torch.zeros(x.shape[0], HIDDEN)
-    for t in range(x.shape[0]):
-        for j in range(TOPK):
-            e = int(ids[t, j])
-            h = xq[t:t + 1] @ dequant_blocks(w13[e], s13[e]).T
-            act = F.silu(h[:, :INTERMEDIATE]) * h[:, INTERMEDIATE:]
-            act = quant_dequant_rows(act.bfloat16().float())
-            out[t] += float(weights[t, j]) * (act @ dequant_blocks(w2[e], s2[e]).T)[0]
-    return out
-
+pytestmark = not_0_5_17
 
 @pytest.fixture
 def selected_on_sm90(registered, monkeypatch):
@@ -64,13 +25,10 @@ def selected_on_sm90(registered, monkeypatch):
     cap, one EP rank, and the reference executor."""
     import argparse
 
-    import sglang.srt.layers.moe.mega_moe as mega_moe
-    import sglang.srt.layers.moe.mega_moe_sm90 as sm90
     import sglang.srt.runtime_context as runtime_context
     from sglang.srt.server_args import ServerArgs
 
     from conftest import FIXTURE_MODEL
-    from megamoe_plugin import serving
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
@@ -79,21 +37,8 @@ def selected_on_sm90(registered, monkeypatch):
     monkeypatch.setattr(runtime_context, "get_server_args", lambda: args)
     one_rank = type("Parallel", (), {"moe_ep_group": type("G", (), {"device_group": None})()})()
     monkeypatch.setattr(runtime_context, "get_parallel", lambda: one_rank)
-    monkeypatch.setattr(mega_moe, "_device_sm", 90)
-    monkeypatch.setattr(sm90, "_device_sm", 90)
-    monkeypatch.setenv("SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK", str(CAP))
-    previous = serving.set_executor("reference")
-    yield
-    serving.set_executor(previous)
-    serving.clear_buffers()
-
-
-def _fp8_config(**overrides):
-    from sglang.srt.layers.quantization.fp8 import Fp8Config
-
-    kwargs = dict(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[128, 128])
-    kwargs.update(overrides)
-    return Fp8Config(**kwargs)
+    with sm90_reference(monkeypatch):
+        yield
 
 
 def test_weights_are_transformed_in_place_and_the_forward_matches_the_contract(selected_on_sm90):
@@ -102,7 +47,7 @@ def test_weights_are_transformed_in_place_and_the_forward_matches_the_contract(s
 
     import megamoe_plugin as mm
 
-    experts = Experts(_fp8_config())
+    experts = Experts(fp8_config())
     ckpt = [p.data.clone() for p in (experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight,
                                      experts.w2_weight_scale_inv)]
     params = [experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight, experts.w2_weight_scale_inv]
@@ -123,7 +68,7 @@ def test_weights_are_transformed_in_place_and_the_forward_matches_the_contract(s
     y = mega_moe.run_mega_routed_experts(experts, x, ids, weights, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
                                          top_k=TOPK, num_tokens=5, routed_scaling_factor=2.0)
     assert y.shape == (5, HIDDEN) and y.dtype == torch.bfloat16
-    want = _expected(x.float(), ids, 2.0 * weights, *ckpt)
+    want = expected(x.float(), ids, 2.0 * weights, *ckpt)
     rel = ((y.float() - want).norm() / want.norm()).item()
     assert rel < 2e-2, rel
 
@@ -143,7 +88,7 @@ def test_non_block_fp8_is_refused_at_weight_build(selected_on_sm90, overrides, m
 
     from megamoe_plugin.sglang_plugin.refusals import MegaMoEUnsupportedError
 
-    experts = Experts(_fp8_config())
+    experts = Experts(fp8_config())
     experts.quant_method.quant_config = type("Cfg", (), dict(
         dict(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[128, 128]),
         **overrides))()
@@ -164,7 +109,7 @@ def test_shapes_out_of_limits_are_refused(selected_on_sm90, attr, value, message
 
     from megamoe_plugin.sglang_plugin.refusals import MegaMoEUnsupportedError
 
-    experts = Experts(_fp8_config())
+    experts = Experts(fp8_config())
     setattr(experts, attr, value)
     with pytest.raises(MegaMoEUnsupportedError, match=re.escape(message)):
         sm90.build_sm90_mega_moe_experts_weights(experts)
@@ -179,4 +124,4 @@ def test_the_kernel_executor_refuses_a_device_that_is_not_sm90(selected_on_sm90,
     serving.set_executor("kernel")
     with pytest.raises(MegaMoEUnsupportedError, match=r"SM90 GPUs .* only, this process has no CUDA device"):
         monkeypatch.setattr(sm90, "_device_sm", 0)
-        sm90.build_sm90_mega_moe_experts_weights(Experts(_fp8_config()))
+        sm90.build_sm90_mega_moe_experts_weights(Experts(fp8_config()))

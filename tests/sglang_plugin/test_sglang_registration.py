@@ -9,7 +9,9 @@ import textwrap
 
 import pytest
 
-from conftest import FIXTURE_MODEL
+from conftest import FIXTURE_MODEL, not_0_5_17
+
+pytestmark = not_0_5_17
 
 BACKEND = "megamoe_sm90"
 HOOKED = ("sglang.srt.layers.moe.mega_moe_sm90.build_sm90_mega_moe_experts_weights",
@@ -132,18 +134,19 @@ def test_a_changed_signature_is_found(registered, monkeypatch):
 
     from megamoe_plugin.sglang_plugin import registration
 
-    assert registration.signature_problem() is None
+    assert registration.signature_problem(registration.SIGNATURES_0_5_23) is None
 
     def run_sm90_mega_routed(experts, hidden_states, topk_ids, topk_weights, buf, num_tokens, *, hidden_size,
                              activation_clamp=None, routed_scaling_factor=1.0, new_option=False):
         raise AssertionError("not called")
 
     monkeypatch.setattr(sm90, "run_sm90_mega_routed", run_sm90_mega_routed)
-    problem = registration.signature_problem()
+    problem = registration.signature_problem(registration.SIGNATURES_0_5_23)
     assert "sglang.srt.layers.moe.mega_moe_sm90.run_sm90_mega_routed" in problem
     assert "new_option=False" in problem and "routed_scaling_factor=1.0)" in problem
     monkeypatch.delattr(sm90, "run_sm90_mega_routed")
-    assert "sglang has no sglang.srt.layers.moe.mega_moe_sm90.run_sm90_mega_routed" in registration.signature_problem()
+    assert "sglang has no sglang.srt.layers.moe.mega_moe_sm90.run_sm90_mega_routed" in registration.signature_problem(
+        registration.SIGNATURES_0_5_23)
 
 
 def test_an_unsupported_sglang_is_refused_when_the_backend_is_selected(registered, monkeypatch, sm90_platform):
@@ -152,7 +155,10 @@ def test_an_unsupported_sglang_is_refused_when_the_backend_is_selected(registere
 
     assert registration.version_problem("0.5.23") is None
     assert registration.version_problem("0.5.24") is None
-    assert "written for sglang >=0.5.23,<0.6, this is sglang 0.5.22" in registration.version_problem("0.5.22")
+    assert "written for sglang ==0.5.17 or >=0.5.23,<0.6, this is sglang 0.5.22" in registration.version_problem("0.5.22")
+    assert registration.version_problem("0.5.17") is None and registration.version_problem("0.5.16") is not None
+    assert registration.signatures_for("0.5.17") is registration.SIGNATURES_0_5_17
+    assert registration.signatures_for("0.5.23.post1") is registration.SIGNATURES_0_5_23
     assert registration.version_problem("0.6.0") is not None
 
     reason = "sglang's x takes (a), the plugin was written for (b)"
