@@ -170,7 +170,7 @@ def should_use_0_5_17(original, moe, hidden_states) -> bool:
             f"a forward of {hidden_states.shape[0]} tokens on this rank (or more on another DP rank) is over "
             "the per-rank token cap, and sglang 0.5.17 would run the model's usual MoE forward, which cannot "
             "read the kernel's weight layout",
-            "raise SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK or lower --cuda-graph-max-bs / "
+            "raise SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK or lower --cuda-graph-max-bs-decode / "
             "--max-running-requests / --chunked-prefill-size")
     return use
 
