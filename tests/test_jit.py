@@ -13,7 +13,10 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exi
                                 reason="nvcc not installed: the compile check runs where the CUDA toolkit is")
 
 
-def test_reference_variants_compile_without_spills(tmp_path_factory, monkeypatch, capsys):
+def test_reference_variants_compile_without_spills(tmp_path, monkeypatch, capsys):
+    # A temporary cache: every variant is compiled afresh, and the user's own cache
+    # (~/.cache/megamoe_plugin, or their MEGAMOE_CACHE_DIR) is neither filled nor read.
+    monkeypatch.setenv("MEGAMOE_CACHE_DIR", str(tmp_path))
     variants = jit.reference_variants()
     assert variants, "the heuristics picked no variant"
     failures = jit.check_variants(variants)
