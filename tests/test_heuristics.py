@@ -181,11 +181,23 @@ def test_default_config_invariants_across_limits():
         local = experts // ranks
         config = default_config(ranks, experts, topk, hidden, inter, tokens, 132)
         assert config.block_m in SUPPORTED_BLOCK_M
-        assert config.block_m == select_block_m(expected_tokens_per_expert(tokens, ranks, topk, experts))
+        more = default_config(ranks, experts, topk, hidden, inter, min(MAX_TOKENS, 2 * tokens + 1), 132)
+        assert more.block_m >= config.block_m  # more rows per expert never picks a smaller tile
         assert MIN_STAGES <= config.num_stages <= MAX_STAGES
         assert config.num_stages <= max(MIN_STAGES, min(hidden, inter) // 128)
         assert smem_bytes(config.block_m, config.num_stages, local) <= SMEM_LIMIT
         assert config.num_sms == 132
+
+
+def test_default_config_block_m_for_a_deepseek_v3_shape():
+    """8 ranks, 256 experts, top-8: tokens / 4 rows per expert, the tiers' measured ranges
+    (up to 4, 8, 24, 64 rows, then 128 in fast mode; exact stops at 64)."""
+    def block_m(tokens, numerics="fast"):
+        return default_config(8, 256, 8, 7168, 2048, tokens, 132, numerics).block_m
+
+    assert [block_m(t) for t in (0, 16, 17, 32, 33, 96, 97, 256, 257, MAX_TOKENS)] == \
+        [8, 8, 16, 16, 32, 32, 64, 64, 128, 128]
+    assert [block_m(t, "exact") for t in (16, 257, MAX_TOKENS)] == [8, 64, 64]
 
 
 @pytest.mark.parametrize("args, message", [
