@@ -377,6 +377,21 @@ def test_shipped_table_validates_and_covers_the_reference_shapes():
             assert table.find(shape, numerics) is not None, (shape, numerics)
 
 
+def test_every_shipped_entry_is_a_measured_winner():
+    """A shipped entry is what the tuning sweep measured fastest, not a heuristic guess:
+    each names its config, its measured time and a runner-up no faster (the loader checks
+    the order of the two once they are there)."""
+    for path in sorted(CONFIGS_DIR.glob("*.json")):
+        obj = json.loads(path.read_text(encoding="utf-8"))
+        assert obj["version"] == 2, path.name
+        for table in obj["tables"]:
+            assert table["entries"], (path.name, table["shape"])
+            for key, entry in table["entries"].items():
+                where = (path.name, table["shape"], table.get("numerics"), key)
+                assert {"block_m", "num_stages", "us", "runner_up"} <= set(entry), where
+                assert 0 < entry["us"] <= entry["runner_up"]["us"], where
+
+
 def test_every_shipped_entry_fits_shared_memory():
     """Checked here on its own, not only through the loader: a launch of an entry that
     does not fit fails on the GPU, at whatever token count selects it."""
