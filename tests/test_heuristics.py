@@ -1,6 +1,5 @@
 """Invariants of the launch heuristics over the shape limits of docs/design.md section 2."""
 import itertools
-import math
 import random
 
 import pytest
