@@ -1,6 +1,6 @@
 """The examples' command lines are valid for the installed vLLM (parsed, not run)."""
-import py_compile
 import re
+import runpy
 import shlex
 import subprocess
 from pathlib import Path
@@ -29,8 +29,40 @@ def test_scripts_are_valid_shell():
         subprocess.run(["bash", "-n", str(EXAMPLES / script)], check=True)
 
 
-def test_offline_example_compiles():
-    py_compile.compile(str(EXAMPLES / "offline.py"), doraise=True)
+class _StopAtLLM(Exception):
+    pass
+
+
+def _offline_engine_args(monkeypatch, argv):
+    """The EngineArgs that examples/offline.py's `LLM(...)` call builds (LLM passes its kwargs to EngineArgs)."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    built = []
+
+    def capture_llm(**kwargs):
+        built.append(EngineArgs(**kwargs))
+        raise _StopAtLLM
+
+    monkeypatch.setattr(vllm, "LLM", capture_llm)
+    monkeypatch.setattr("sys.argv", ["offline.py"] + argv)
+    with pytest.raises(_StopAtLLM):
+        runpy.run_path(str(EXAMPLES / "offline.py"), run_name="__main__")
+    return built[0]
+
+
+def test_offline_example_builds_engine_config(registered, monkeypatch):
+    args = _offline_engine_args(monkeypatch, ["--model", str(FIXTURE_MODEL)])
+    args.skip_tokenizer_init = True  # the fixture model is a config only
+    cfg = args.create_engine_config()
+    assert cfg.kernel_config.moe_backend == "megamoe_sm90" and cfg.model_config.quantization == "fp8"
+    assert cfg.parallel_config.tensor_parallel_size == 1 and not cfg.parallel_config.enable_expert_parallel
+    assert cfg.scheduler_config.max_num_batched_tokens == 8192 and cfg.model_config.max_model_len == 4096
+
+
+def test_offline_example_expert_parallel_with_tensor_parallel(monkeypatch):
+    args = _offline_engine_args(monkeypatch, ["--tensor-parallel-size", "8", "--moe-backend", "auto"])
+    assert args.tensor_parallel_size == 8 and args.enable_expert_parallel and args.moe_backend == "auto"
 
 
 def test_serve_example_flags_parse(registered):
