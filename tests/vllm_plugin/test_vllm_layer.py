@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("vllm")
 
-from conftest import HIDDEN, INTERMEDIATE, MAX_BATCHED_TOKENS, NUM_EXPERTS, TOPK, build_moe  # noqa: E402
+from conftest import (HIDDEN, INTERMEDIATE, MAX_BATCHED_TOKENS, NUM_EXPERTS, TOPK, build_moe,  # noqa: E402
+                      torch_softmax_topk)
 from contract_oracle import FP8, dequant_blocks, quant_blocks, quant_dequant_rows  # noqa: E402
 
 
@@ -260,12 +261,21 @@ def test_layers_of_one_shape_share_one_buffer(vllm_config, dist_env, reference_e
     _assert_close(yb, torch_moe(x, logits, ckpt_b, TOPK))
 
 
-def test_reference_executor_zero_tokens(vllm_config, dist_env, reference_executor):
-    runner, _, _ = _loaded_layer(vllm_config, seed=9)
+def _apply_zero_then_tokens(runner, ckpt):
+    """The experts' apply on an empty step, then on a step with tokens: the empty step
+    returns an empty bf16 output and leaves the layer computing the oracle's values."""
     ex = runner.routed_experts
-    x = torch.zeros(0, HIDDEN, dtype=torch.bfloat16)
-    y = ex.quant_method.apply(ex, x, torch.zeros(0, TOPK), torch.zeros(0, TOPK, dtype=torch.int32))
-    assert y.shape == (0, HIDDEN)
+    empty = ex.quant_method.apply(ex, torch.zeros(0, HIDDEN, dtype=torch.bfloat16), torch.zeros(0, TOPK),
+                                  torch.zeros(0, TOPK, dtype=torch.int32))
+    assert empty.shape == (0, HIDDEN) and empty.dtype == torch.bfloat16
+    x, logits = _inputs(4, seed=7)
+    weights, ids = torch_softmax_topk(x, logits, TOPK, renormalize=True)
+    _assert_close(ex.quant_method.apply(ex, x, weights, ids), torch_moe(x, logits, ckpt, TOPK))
+
+
+def test_reference_executor_zero_tokens(vllm_config, dist_env, reference_executor):
+    runner, ckpt, _ = _loaded_layer(vllm_config, seed=9)
+    _apply_zero_then_tokens(runner, ckpt)
 
 
 # ----------------------------------------------------------------------------- kernel executor glue
@@ -380,12 +390,9 @@ def test_batch_invariant_vllm_runs_exact_numerics(vllm_config, dist_env, kernel_
 
 def test_kernel_executor_zero_tokens_still_calls_op(vllm_config, dist_env, kernel_executor_with_fake_op):
     calls = kernel_executor_with_fake_op
-    runner, _, _ = _loaded_layer(vllm_config, seed=12)
-    ex = runner.routed_experts
-    y = ex.quant_method.apply(ex, torch.zeros(0, HIDDEN, dtype=torch.bfloat16), torch.zeros(0, TOPK),
-                              torch.zeros(0, TOPK, dtype=torch.int32))
-    assert y.shape == (0, HIDDEN)
-    assert [c["n"] for c in calls["op"]] == [0]  # every rank takes part in every step
+    runner, ckpt, _ = _loaded_layer(vllm_config, seed=12)
+    _apply_zero_then_tokens(runner, ckpt)
+    assert [c["n"] for c in calls["op"]] == [0, 4]  # every rank takes part in every step, empty ones too
 
 
 def test_executor_selection(monkeypatch):
