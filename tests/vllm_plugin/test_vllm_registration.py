@@ -12,7 +12,12 @@ pytest.importorskip("vllm")
 
 from conftest import FIXTURE_MODEL, engine_args  # noqa: E402
 
+from megamoe_plugin.vllm_plugin.registration import passthrough_all2all_supported  # noqa: E402
+
 BACKEND = "megamoe_sm90"
+# vLLM >= 0.33 binds self-dispatching MoE backends to its passthrough all2all backend; older ones have none.
+needs_passthrough = pytest.mark.skipif(not passthrough_all2all_supported(),
+                                       reason="this vLLM has no passthrough all2all backend (vLLM < 0.33)")
 
 
 def _serve_parser():
@@ -55,21 +60,27 @@ def test_register_twice_is_idempotent(registered):
     def state():
         return (typing.get_args(kernel_mod.MoEBackend),
                 typing.get_args(kernel_mod.KernelConfig.__dataclass_fields__["moe_backend"].type),
-                kernel_mod.bind_passthrough_all2all_backend if hasattr(kernel_mod, "bind_passthrough_all2all_backend")
-                else None,
                 quant_mod._CUSTOMIZED_METHOD_TO_QUANT_CONFIG)
 
     before = state()
     register()
     register()
     after = state()
-    assert before[0] == after[0] and before[1] == after[1]
-    assert before[2] is after[2] and before[3] is after[3]
+    assert before[0] == after[0] and before[1] == after[1] and before[2] is after[2]
     assert after[0].count(BACKEND) == 1 and after[1].count(BACKEND) == 1
-    bind = after[2]
-    if bind is not None:  # wrapped exactly once
-        assert getattr(bind, "_megamoe_wrapped", False)
-        assert not getattr(bind._megamoe_original, "_megamoe_wrapped", False)
+
+
+@needs_passthrough
+def test_register_twice_wraps_passthrough_binding_once(registered):
+    import vllm.config.kernel as kernel_mod
+
+    from megamoe_plugin.vllm_plugin import register
+
+    before = kernel_mod.bind_passthrough_all2all_backend
+    register()
+    bind = kernel_mod.bind_passthrough_all2all_backend
+    assert bind is before and bind._megamoe_wrapped
+    assert not getattr(bind._megamoe_original, "_megamoe_wrapped", False)
 
 
 def test_register_is_cheap_and_cuda_free():
@@ -128,10 +139,12 @@ def test_serve_cli_parses_and_builds_engine_config(registered):
     assert cfg.kernel_config.moe_backend == BACKEND
     assert type(cfg.quant_config).__name__ == "MegaMoEFp8Config"
     assert list(cfg.quant_config.weight_block_size) == [128, 128]
-    from megamoe_plugin.vllm_plugin.registration import passthrough_all2all_supported
 
-    if passthrough_all2all_supported():
-        assert cfg.parallel_config.all2all_backend == "passthrough"
+
+@needs_passthrough
+def test_serve_cli_binds_passthrough_all2all(registered):
+    _, cfg = _engine_config_from_cli(SERVE_ARGV)
+    assert cfg.parallel_config.all2all_backend == "passthrough"
 
 
 def test_serve_cli_help_lists_backend(registered, capsys):
@@ -192,11 +205,8 @@ def test_other_backends_keep_vllm_fp8_moe_method(vllm_config, monkeypatch):
     assert made == [layer]
 
 
+@needs_passthrough
 def test_explicit_other_all2all_backend_is_refused(registered):
-    from megamoe_plugin.vllm_plugin.registration import passthrough_all2all_supported
-
-    if not passthrough_all2all_supported():
-        pytest.skip("this vLLM has no passthrough all2all backend")
     with pytest.raises(ValueError, match="leave --all2all-backend unset"):
         engine_args(all2all_backend="deepep_low_latency").create_engine_config()
 
