@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU side, not run yet: one sglang 0.5.17 server with one MoE backend, SGLang's serving benchmark
+# GPU side (ran on one H200 in results round 11): one sglang 0.5.17 server with one MoE backend, SGLang's serving benchmark
 # against it, and the prompt logprobs of fixed token ids (for comparing backends), then stop.
 # tools/sglang_on_gpu/README.md gives the calls. It runs as vllm_on_gpu's RUN_CMD, from the repo root:
 # gpu_run.sh has installed the bundle and this plugin, and exports PYTHONPATH, OUT and MODEL_DIR
@@ -8,6 +8,8 @@
 #   BACKEND   megamoe_sm90 (this kernel), deepgemm (DeepGEMM's MegaMoE), default (SGLang's MoE)
 #   ROUND     a label for alternating runs (1)
 #   SERVE_ARGS / BENCH_ARGS   extra flags (later flags win)
+#   SCALED_WEIGHTS=1  input-dependent dummy weights (scaled_weights/sitecustomize.py), so that the
+#             logprobs of two backends can disagree; use it for every backend of a comparison
 #   SGLANG_PORT (30000), HEALTH_TIMEOUT (600 s), PY (python3)
 # Writes $OUT/serve_<BACKEND>_r<ROUND>.log, bench_*.log, bench_*.jsonl, logprobs_*.json.
 set -uo pipefail
@@ -19,6 +21,9 @@ OUT=${OUT:-/tmp/sglang_out}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 mkdir -p "$OUT"
 log() { echo "[serve_bench $(date +%H:%M:%S)] $*"; }
+# Run from the repo root, `python -m` would import this checkout's megamoe_plugin (no built
+# runtime extension in it) ahead of the installed one.
+export PYTHONSAFEPATH=1
 case $BACKEND in
   megamoe_sm90) FLAGS=(--moe-runner-backend megamoe_sm90) ;;
   deepgemm) FLAGS=(--moe-a2a-backend megamoe) ;;
@@ -36,8 +41,10 @@ for f in tokenizer.json tokenizer_config.json chat_template.jinja; do cp "${MODE
 # The same flags for every backend: random weights (SGLang's dummy loader is seeded), triton
 # attention (the bundle has no FlashAttention library), chunks and graphs under 0.5.17's
 # per-rank token cap (1024), shared experts outside the routed MoE (the same work for all three).
-log "BACKEND=$BACKEND: sglang.launch_server ${FLAGS[*]} ${SERVE_ARGS:-}"
-"$PY" -m sglang.launch_server --model-path "$M" --load-format dummy --attention-backend triton \
+log "BACKEND=$BACKEND: sglang.launch_server ${FLAGS[*]} ${SERVE_ARGS:-} (SCALED_WEIGHTS=${SCALED_WEIGHTS:-0})"
+SERVER_PYTHONPATH=${PYTHONPATH:-}
+[ "${SCALED_WEIGHTS:-0}" != 0 ] && SERVER_PYTHONPATH=$HERE/scaled_weights${PYTHONPATH:+:$PYTHONPATH}
+PYTHONPATH=$SERVER_PYTHONPATH "$PY" -m sglang.launch_server --model-path "$M" --load-format dummy --attention-backend triton \
   --chunked-prefill-size 1024 --cuda-graph-max-bs-decode 256 --disable-shared-experts-fusion \
   --host 127.0.0.1 --port "$PORT" "${FLAGS[@]}" ${SERVE_ARGS:-} > "$OUT/serve_$TAG.log" 2>&1 &
 SERVER=$!
@@ -67,19 +74,7 @@ log "benchmark ${BENCH_ARGS:-}"
   --dataset-name random-ids --random-input-len 1024 --random-output-len 256 --random-range-ratio 1 \
   --num-prompts 256 --max-concurrency 64 --output-file "$OUT/bench_$TAG.jsonl" ${BENCH_ARGS:-} \
   > "$OUT/bench_$TAG.log" 2>&1 || log "benchmark failed (rc $?)"
-grep -E "throughput|TTFT|TPOT|ITL" "$OUT/bench_$TAG.log" | head -20
+grep -E "^(Successful|Request|Output|Total|Mean|Median|P99) .*(requests|throughput|TTFT|TPOT|ITL)" "$OUT/bench_$TAG.log"
 
-# Prompt logprobs of fixed token ids, greedy: compare the files of two backends.
-"$PY" - "$PORT" "$OUT/logprobs_$TAG.json" << 'PY' || log "logprobs failed"
-import json, random, sys, urllib.request
-port, path = int(sys.argv[1]), sys.argv[2]
-rng = random.Random(0)
-prompts = [[rng.randrange(3, 32000) for _ in range(n)] for n in (16, 128, 512, 1000)]
-body = {"input_ids": prompts, "return_logprob": True, "logprob_start_len": 0,
-        "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(),
-                             {"Content-Type": "application/json"})
-out = json.load(urllib.request.urlopen(req, timeout=300))
-json.dump(out, open(path, "w"))
-print(f"logprobs of {len(prompts)} prompts in {path}")
-PY
+# Prompt logprobs of fixed token ids, greedy (tools/e2e/compare_logprobs.py compares two files).
+"$PY" "$HERE/logprobs.py" "$PORT" "$OUT/logprobs_$TAG.json" || log "logprobs failed"
