@@ -12,6 +12,7 @@ entries) reaches the log through `watchdog`, started with the first kernel load.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import math
@@ -27,6 +28,7 @@ from .jit import (NUM_THREADS, KERNEL_NAME, KernelMissingError, KernelVariant, c
                   missing_variants)
 from .jit.command import build_command
 from .progress import progress_bar
+from . import timeline
 from .variants import block_m_from_env, num_stages_from_env, variant_for
 from .watchdog import Watchdog
 from .weights import unpack_pair
@@ -255,6 +257,15 @@ def _device_name(device: torch.device) -> str:
     return _device_names[idx]
 
 
+def _timeline_shape(buf: SymmBuffer) -> Tuple[int, ...]:
+    return (_grid_size(buf), len(timeline.PHASES), timeline.RECORDS, timeline.WORDS)
+
+
+def timeline_for(buf: SymmBuffer) -> torch.Tensor:
+    """A zeroed `_timeline` for calls on `buf` (megamoe_plugin.timeline; debugging)."""
+    return torch.zeros(_timeline_shape(buf), dtype=torch.int64, device=buf.device)
+
+
 def _grid_size(buf: SymmBuffer) -> int:
     """CTAs of the persistent grid: the buffer's share of SMs if it has one, else every SM
     unless MEGAMOE_NUM_SMS reserves some. All CTAs must be resident at once (grid
@@ -390,7 +401,7 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
                  activation_clamp: Optional[float] = None, fast_math: bool = True,
                  cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                  config_num_tokens: Optional[int] = None, numerics: Optional[str] = None,
-                 _stop_after_phase: int = 0) -> torch.Tensor:
+                 _stop_after_phase: int = 0, _timeline: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fused MoE of docs/design.md section 2 for this rank's first y.shape[0] tokens,
     whose inputs the caller wrote into buf.x / x_sf / topk_idx / topk_weights.
     Every rank of the buffer's group calls it each step (also with 0 tokens). Writes y.
@@ -404,21 +415,28 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     float32-faithful and batch-invariant), docs/design.md section 2; None reads MEGAMOE_NUMERICS
     (default "fast"). Every rank must pass the same mode.
     `_stop_after_phase` is for phase-by-phase kernel debugging (csrc/megamoe/kernel.cuh
-    numbers the phases); a stopped call leaves the send counters for the caller to zero."""
+    numbers the phases); a stopped call leaves the send counters for the caller to zero.
+    `_timeline` (megamoe_plugin.timeline.new_timeline) is for finding where a GEMM tile's time
+    goes: the call runs its variant built with per-tile clock records, which it writes there."""
     validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats, config_num_tokens)
     numerics = resolve_numerics(numerics)
+    if _timeline is not None:
+        _check_tensor(_timeline, "_timeline (ops.timeline_for)", torch.int64, _timeline_shape(buf), buf.device)
     _require_sm90(buf.device)
     raise_input_errors()
     num_tokens = y.shape[0]
     variant = select_variant(buf, num_tokens if config_num_tokens is None else config_num_tokens, fast_math,
                              numerics)
+    if _timeline is not None:
+        variant = dataclasses.replace(variant, timeline=True)
     kernel = _kernel_handle(buf.device, variant)
     params = _params_handle(buf, tuple(l1), tuple(l2), variant.block_m)
     stats = cumulative_local_expert_recv_stats
     try:
         _runtime().launch(kernel, params, y.data_ptr(), num_tokens, 0 if stats is None else stats.data_ptr(),
                           math.inf if activation_clamp is None else float(activation_clamp), _grid_size(buf),
-                          NUM_THREADS, torch.cuda.current_stream(buf.device).cuda_stream, _stop_after_phase)
+                          NUM_THREADS, torch.cuda.current_stream(buf.device).cuda_stream, _stop_after_phase,
+                          0 if _timeline is None else _timeline.data_ptr())
     except RuntimeError as exc:  # the runtime refuses to launch after a kernel failed: say which wait
         reason = kernel_error()
         if reason is not None:

@@ -1,14 +1,15 @@
 """The heuristics and config-table modules run in the per-call path and in processes
-that have not imported torch yet: they must import only the standard library."""
+that have not imported torch yet, and the JIT (which compiles without torch) reads the
+timeline layout: they must import only the standard library."""
 import ast
 import sys
 
 import pytest
 
-from megamoe_plugin import configs, heuristics
+from megamoe_plugin import configs, heuristics, timeline
 
 
-@pytest.mark.parametrize("module", [heuristics, configs], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [heuristics, configs, timeline], ids=lambda m: m.__name__)
 def test_module_imports_only_the_standard_library(module):
     tree = ast.parse(open(module.__file__, encoding="utf-8").read())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)

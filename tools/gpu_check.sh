@@ -3,7 +3,8 @@
 # Usage (device tool, carry [".jitcache", ".whl"]): bash tools/gpu_check.sh [pytest args...]
 # Env: BENCH_ARGS (passed to python -m megamoe_plugin.bench, which writes its JSON and plot to $OUT/bench;
 #      BENCH=0 skips it), TEST=0 skips tests,
-#      PHASES=1 adds tools/phase_times.py (PHASES_ARGS), NCU=1 adds an Nsight Compute report of
+#      PHASES=1 adds tools/phase_times.py (PHASES_ARGS), TIMELINE=1 adds tools/tile_timeline.py
+#      (TIMELINE_ARGS: where each GEMM tile's time goes), NCU=1 adds an Nsight Compute report of
 #      one config (NCU_ARGS, default "--configs v4flash --tokens 1"), per phase, with the
 #      shared-memory tables (wavefronts, bank conflicts) and the pipe utilization (tensor);
 #      for L1 at BLOCK_M 64: NCU_ARGS="--configs v4flash --tokens 8192". SANITIZER=1 adds
@@ -40,6 +41,9 @@ if [ "${SOAK:-0}" != 0 ]; then
 fi
 if [ "${PHASES:-0}" != 0 ]; then
   timeout "${PHASES_TIMEOUT:-300}" python3 tools/phase_times.py ${PHASES_ARGS:-} 2>&1 | tee "$OUT/phase_times.txt"
+fi
+if [ "${TIMELINE:-0}" != 0 ]; then
+  timeout "${TIMELINE_TIMEOUT:-300}" python3 tools/tile_timeline.py ${TIMELINE_ARGS:-} 2>&1 | tee "$OUT/tile_timeline.txt"
 fi
 if [ "${NCU:-0}" != 0 ]; then
   timeout "${NCU_TIMEOUT:-300}" ncu --profile-from-start off --clock-control none --section SpeedOfLight \

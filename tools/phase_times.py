@@ -31,16 +31,16 @@ def reset_and_flush(buf, flush):
     flush()
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def add_call_arguments(parser: argparse.ArgumentParser, tokens: str = "1,128,8192") -> None:
     parser.add_argument("--configs", default="v4flash,v3")
-    parser.add_argument("--tokens", default="1,128,8192")
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--tokens", default=tokens)
     parser.add_argument("--local-experts", type=int, default=LOCAL_EXPERTS,
                         help="e.g. 128 for the tools/e2e model (qwen30's H/I/top-k with 128 experts)")
-    parser.add_argument("--profile", action="store_true", help="one more launch per phase inside profiler markers")
-    args = parser.parse_args()
-    flush = l2_flusher()
+
+
+def calls(args):
+    """(config name, hidden, intermediate size, layer, buffer, y) per --configs x --tokens: random
+    weights and uniform routing, the inputs written into the buffer (tools/tile_timeline.py too)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens_list = [int(t) for t in args.tokens.split(",")]
     for name in args.configs.split(","):
@@ -49,25 +49,35 @@ def main():
         buf = mm.get_symm_buffer(None, args.local_experts, max(tokens_list), topk, hidden, inter)
         for n in tokens_list:
             fill_buffer(buf, random_inputs(n, hidden, args.local_experts, topk, "uniform", "cuda", gen))
-            y = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
-            cumulative = []
-            before_call = functools.partial(reset_and_flush, buf, flush)
-            for stop, _ in PHASES:
-                call = functools.partial(mm.fp8_mega_moe, y, layer.l1, layer.l2, buf, _stop_after_phase=stop)
-                cumulative.append(median_call_seconds(call, args.iters, before_call) * 1e6)
-            parts = [cumulative[0]] + [b - a for a, b in zip(cumulative, cumulative[1:])]
-            print(f"{name} n={n}: total {cumulative[-1]:.1f} us = " +
-                  ", ".join(f"{label} {t:.1f}" for (_, label), t in zip(PHASES, parts)), flush=True)
-            if args.profile:  # launch order in the report: stopped after phase 2, 4, 5, 6, then the full call
-                for stop, _ in PHASES:
-                    before_call()
-                    torch.cuda.synchronize()
-                    torch.cuda.profiler.start()
-                    mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, _stop_after_phase=stop)
-                    torch.cuda.profiler.stop()
-                torch.cuda.synchronize()
+            yield name, hidden, inter, layer, buf, torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
         del layer, buf
         torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    add_call_arguments(parser)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--profile", action="store_true", help="one more launch per phase inside profiler markers")
+    args = parser.parse_args()
+    flush = l2_flusher()
+    for name, _, _, layer, buf, y in calls(args):
+        cumulative = []
+        before_call = functools.partial(reset_and_flush, buf, flush)
+        for stop, _ in PHASES:
+            call = functools.partial(mm.fp8_mega_moe, y, layer.l1, layer.l2, buf, _stop_after_phase=stop)
+            cumulative.append(median_call_seconds(call, args.iters, before_call) * 1e6)
+        parts = [cumulative[0]] + [b - a for a, b in zip(cumulative, cumulative[1:])]
+        print(f"{name} n={y.shape[0]}: total {cumulative[-1]:.1f} us = " +
+              ", ".join(f"{label} {t:.1f}" for (_, label), t in zip(PHASES, parts)), flush=True)
+        if args.profile:  # launch order in the report: stopped after phase 2, 4, 5, 6, then the full call
+            for stop, _ in PHASES:
+                before_call()
+                torch.cuda.synchronize()
+                torch.cuda.profiler.start()
+                mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, _stop_after_phase=stop)
+                torch.cuda.profiler.stop()
+            torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@
 #include "roles.cuh"
 #include "scheduler.cuh"
 #include "sync.cuh"
+#include "timeline.cuh"
 
 namespace megamoe {
 
@@ -55,7 +56,9 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
   PipelineState tok;  // L1's token buffers (exact_l1.cuh convert_l1_tokens)
   const float* sf_pool = reinterpret_cast<const float*>(base + (kIsL2 ? p.off.act_sf : p.off.pool_sf));
   const int* l1_done = reinterpret_cast<const int*>(base + p.off.l1_done);
-  for (int tile = first_tile; tile < num_tiles; tile += gridDim.x) {
+  int tile_of_cta = 0;
+  for (int tile = first_tile; tile < num_tiles; tile += gridDim.x, ++tile_of_cta) {
+    TileClock clock;
     const Tile t = sched.decode(tile);
     const float* sfa = sf_pool + tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
     if constexpr (kIsL2) {
@@ -76,11 +79,16 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
       };
       if constexpr (Cfg::kFp8SwapAB) {
         mma_tile_swap<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
+        clock.mainloop_done();
         l2_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc);
       } else {
-        if (!mma_tile<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales)) return false;
+        if (!mma_tile<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales,
+                                               clock.full_wait))
+          return false;
+        clock.mainloop_done();
         l2_epilogue<Cfg>(p, base, tables, t, wg, fc, acc);
       }
+      clock.record(p, 1, tile_of_cta, wg);
     } else {
       // w13_scale [E_l, I/128, 2 (gate, up), H/128]: the tile's n-block is the requant group.
       const float* sb = p.w13_scale + ((int64_t)t.expert * (Cfg::kInter / 128) + t.n_block) * 2 * Cfg::kL1NumKBlocks;
@@ -88,16 +96,22 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
       if constexpr (Cfg::kExactL1) {
         mma_tile_l1<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, tok_full, tok_empty, ps, tok, wg, fc, acc,
                                              weight_scales);
+        clock.mainloop_done();
         l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
       } else if constexpr (Cfg::kFp8SwapAB) {
         mma_tile_swap<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
+        clock.mainloop_done();
         l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
       } else {
-        if (!mma_tile<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales)) return false;
+        if (!mma_tile<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales,
+                                               clock.full_wait))
+          return false;
+        clock.mainloop_done();
         l1_epilogue<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
       }
       if constexpr (Cfg::kL2TrailsL1) publish_l1_tile<Cfg>(p, base, tables, t);
       parity ^= 1;
+      clock.record(p, 0, tile_of_cta, wg);
     }
   }
   return true;

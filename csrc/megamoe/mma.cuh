@@ -15,6 +15,7 @@
 #include "pipeline.cuh"
 #include "scheduler.cuh"
 #include "sync.cuh"
+#include "timeline.cuh"
 
 namespace megamoe {
 
@@ -96,7 +97,8 @@ __device__ __forceinline__ void for_each_fragment_col(F&& f) {
 // `sfa` points at the tile's first row in an MN-major scale pool ([k-block][pool row]).
 // `weight_scales(kb, block)` gives the scales of the tile's 128-row weight block `block` (0, 1)
 // at k-block kb: .x for even 8-column chunks, .y for odd ones (L1: gate, up; L2: the same).
-// False after a pipeline timeout (gemm_wait).
+// False after a pipeline timeout (gemm_wait). `full_wait` gains the cycles spent waiting for
+// full stages (timeline.cuh; constant zero unless built with MEGAMOE_TIMELINE).
 template <class Cfg>
 struct MmaBatching {
   static constexpr bool kPipelined = !Cfg::kExactL1;
@@ -116,7 +118,8 @@ struct MmaBatching {
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                          uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
-                                         const float* sfa, float* acc, WeightScales weight_scales) {
+                                         const float* sfa, float* acc, WeightScales weight_scales,
+                                         uint32_t& full_wait) {
   using B = MmaBatching<Cfg>;
   constexpr int kHalves = Cfg::kWgHalves, kPartFloats = B::kPartFloats;
   const int row0 = Cfg::wg_first_row(wg);
@@ -164,7 +167,10 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
   int prev_stage = 0;
   for (int kb = 0; kb < kNumKBlocks; ++kb) {
     const KBlockScales cur = load_scales(kb);  // issued before the barrier wait: the wait hides their latency
-    if (!gemm_wait<Cfg>(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout)) {
+    const uint32_t wait_start = TileClock::tile_clock();
+    const bool stage_full = gemm_wait<Cfg>(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
+    if constexpr (kTimeline) full_wait += TileClock::tile_clock() - wait_start;
+    if (!stage_full) {
       // Drained before leaving: a path that leaves with a batch in flight makes ptxas
       // serialize every WGMMA of the loop (warning C7518).
       cute::warpgroup_wait<0>();

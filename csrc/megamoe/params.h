@@ -65,6 +65,19 @@ enum TensorMapIndex : int {
   kNumTmaps = 4,
 };
 
+// Debugging (tools/tile_timeline.py): the per-tile clock records that variants built with
+// MEGAMOE_TIMELINE write (timeline.cuh), laid out as
+// uint64 [CTA][phase: 0 = L1, 1 = L2][kTimelineRecords][kTimelineWords]:
+//   record 0, the producer:        {empty-wait cycles, tiles, clock at start, clock at end,
+//                                   globaltimer at start, globaltimer at end};
+//   record 1 + 2 i + w, math warpgroup w's i-th tile (i < kTimelineMaxTiles):
+//                                  {clock at start, clock at main-loop end, clock at epilogue end,
+//                                   full-wait cycles (all four 32-bit), globaltimer at end, 0}.
+// megamoe_plugin/timeline.py holds the same numbers; the JIT source static_asserts them.
+constexpr int kTimelineMaxTiles = 128;
+constexpr int kTimelineRecords = 1 + 2 * kTimelineMaxTiles;
+constexpr int kTimelineWords = 6;
+
 struct KernelParams {
   const CUtensorMap* tmaps;  // device memory, kNumTmaps entries
 
@@ -84,6 +97,7 @@ struct KernelParams {
   int rank;
   int pool_capacity;
   HostWords* host;         // host-mapped reports (see HostWords)
+  unsigned long long* timeline;  // debugging: the timeline above, or null (written by MEGAMOE_TIMELINE builds only)
   uint64_t timeout_ns;     // bound of every wait
 };
 

@@ -10,6 +10,7 @@
 #include "params.h"
 #include "scheduler.cuh"
 #include "sync.cuh"
+#include "timeline.cuh"
 
 namespace megamoe {
 
@@ -70,7 +71,8 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
   const CUtensorMap* tmap_b = p.tmaps + (kIsL2 ? kTmapW2 : kTmapW13);
   const int* l1_done = reinterpret_cast<const int*>(base + p.off.l1_done);
   const int num_tiles = sched.num_tiles();
-  for (int tile = first_tile; tile < num_tiles; tile += gridDim.x) {
+  ProducerClock clock;
+  for (int tile = first_tile; tile < num_tiles; tile += gridDim.x, ++clock.tiles) {
     const Tile t = sched.decode(tile);
     const int row_a = sched.tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
     const int row_b = t.expert * kRowsPerExpert + t.n_block * Cfg::kBlockN;
@@ -94,7 +96,9 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
       }
     }
     for (; kb < kNumKBlocks; ++kb) {
+      const uint64_t wait_start = timeline_clock();
       uint64_t* bar = claim_stage<Cfg>(p, full, empty, ps);
+      if constexpr (kTimeline) clock.empty_wait += timeline_clock() - wait_start;
       if constexpr (Cfg::kRebalanceRegisters) {  // elsewhere claim_stage trapped already
         if (bar == nullptr) return false;
       }
@@ -103,6 +107,7 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
       ps.advance<Cfg::kNumStages>();
     }
   }
+  clock.record(p, kIsL2 ? 1 : 0);
   return true;
 }
 

@@ -233,7 +233,7 @@ void free_params(int params) {
 
 // One launch on `stream`. No allocation, no synchronization: safe to capture in a CUDA graph.
 void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_stats, double activation_clamp,
-            int num_ctas, int num_threads, uint64_t stream, int stop_after_phase) {
+            int num_ctas, int num_threads, uint64_t stream, int stop_after_phase, uint64_t timeline) {
   if (kernel < 0 || kernel >= static_cast<int>(g_kernels.size())) throw std::invalid_argument("megamoe: bad kernel handle");
   if (params < 0 || params >= static_cast<int>(g_params.size()) || g_params[params] == nullptr)
     throw std::invalid_argument("megamoe: bad or freed params handle");
@@ -247,6 +247,7 @@ void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_st
   p.recv_stats = reinterpret_cast<int*>(recv_stats);
   p.activation_clamp = static_cast<float>(activation_clamp);
   p.stop_after_phase = stop_after_phase;
+  p.timeline = reinterpret_cast<unsigned long long*>(timeline);
   p.kernel_tag = static_cast<uint32_t>(kernel);
   void* args[] = {&p};
   const Kernel& k = *g_kernels[kernel];
@@ -272,7 +273,7 @@ PYBIND11_MODULE(_runtime, m) {
         py::arg("timeout_s"));
   m.def("launch", &launch, py::arg("kernel"), py::arg("params"), py::arg("y"), py::arg("num_tokens"),
         py::arg("recv_stats"), py::arg("activation_clamp"), py::arg("num_ctas"), py::arg("num_threads"),
-        py::arg("stream"), py::arg("stop_after_phase") = 0);
+        py::arg("stream"), py::arg("stop_after_phase") = 0, py::arg("timeline") = 0);
   m.def("free_params", &free_params, py::arg("params"));
   m.def("read_error_word", &read_error_word);
   m.def("read_bad_expert_ids", &read_bad_expert_ids);

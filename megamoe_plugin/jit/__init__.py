@@ -38,6 +38,7 @@ from typing import Callable, List, Optional, Tuple, Union
 from ..buffer import SIGNAL_WORDS
 from ..heuristics import DEFAULT_NUMERICS, REBALANCED_BLOCK_M, implemented_block_m
 from ..paths import CSRC_DIR, cache_dir
+from ..timeline import MAX_TILES as TIMELINE_MAX_TILES, RECORDS as TIMELINE_RECORDS, WORDS as TIMELINE_WORDS
 
 KERNEL_NAME = "megamoe_fused_kernel"
 NUM_THREADS = 384
@@ -56,6 +57,8 @@ class KernelVariant:
     num_stages: int
     fast_math: bool
     numerics: str = DEFAULT_NUMERICS  # heuristics.NUMERICS_MODES
+    # Debugging: per-tile clock records (csrc/megamoe/timeline.cuh, megamoe_plugin/timeline.py).
+    timeline: bool = False
 
     def __post_init__(self):
         if self.block_m not in implemented_block_m(self.numerics):
@@ -71,19 +74,25 @@ class KernelVariant:
                f"{cpp_bool[self.numerics == 'exact']}>")
         signal_asserts = "".join(f"static_assert(megamoe::kSig{_camel(name)} == {index}, \"buffer.SIGNAL_WORDS\");\n"
                                  for name, index in SIGNAL_WORDS.items())
+        timeline_asserts = "".join(
+            f"static_assert(megamoe::kTimeline{name} == {value}, \"megamoe_plugin.timeline\");\n"
+            for name, value in (("MaxTiles", TIMELINE_MAX_TILES), ("Records", TIMELINE_RECORDS),
+                                ("Words", TIMELINE_WORDS)))
         return (
-            '#include "megamoe/kernel.cuh"\n'
+            ("#define MEGAMOE_TIMELINE 1\n" if self.timeline else "")
+            + '#include "megamoe/kernel.cuh"\n'
             f"using Cfg = {cfg};\n"
             f'extern "C" __global__ void __launch_bounds__(Cfg::kNumThreads, 1)\n'
             f"{KERNEL_NAME}(const __grid_constant__ megamoe::KernelParams p) {{ megamoe::mega_moe<Cfg>(p); }}\n"
             f"static_assert(Cfg::kSmemBytes + 1024 == {smem_bytes_of(self)}, "
             f"\"heuristics.smem_bytes disagrees with config.cuh\");\n"
-            + signal_asserts
+            + signal_asserts + timeline_asserts
         )
 
     def name(self) -> str:
         return (f"h{self.hidden}_i{self.intermediate_size}_k{self.num_topk}_e{self.num_experts}_r{self.num_ranks}"
-                f"_bm{self.block_m}_st{self.num_stages}_fm{int(self.fast_math)}_{self.numerics}")
+                f"_bm{self.block_m}_st{self.num_stages}_fm{int(self.fast_math)}_{self.numerics}"
+                + ("_timeline" if self.timeline else ""))
 
 
 def _camel(snake: str) -> str:
@@ -358,9 +367,13 @@ def check_variants(variants: List[KernelVariant]) -> int:
         else:
             usage = parse_ptxas(compiled.ptxas_log)
             spills = usage.spill_stores + usage.spill_loads
-            ok = spills == 0 and usage.registers > 0 and not usage.wgmma_serialized
-            status = ("ok" if ok else "SPILLS" if spills else "WGMMA SERIALIZED (ptxas C7518)" if usage.wgmma_serialized
-                      else "no ptxas report")
+            # A timeline build's clock registers may spill a few bytes (12-20 at BLOCK_M 64, outside
+            # the main loop): acceptable in that debugging build, shown, not failed.
+            spills_fail = spills > 0 and not variant.timeline
+            ok = not spills_fail and usage.registers > 0 and not usage.wgmma_serialized
+            status = ("SPILLS" if spills_fail else "WGMMA SERIALIZED (ptxas C7518)" if usage.wgmma_serialized
+                      else "no ptxas report" if usage.registers <= 0 else "ok (timeline build spills)" if spills
+                      else "ok")
             row = (f"{variant.name():58s} {usage.registers:5d} {spills:6d} {usage.stack_frame:6d} "
                    f"{compiled.smem_bytes:7d}  {status}")
         with lock:  # rows come from the compile threads

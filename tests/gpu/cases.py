@@ -105,6 +105,9 @@ def variants():
     out += call_variants(2, 8, 2, 384, 256, 16, 132 // 2, (True,))  # tests/gpu/test_timeout.py
     out += call_variants(1, 16, 8, 2048, 768, 256, 132, (True,))  # tools/soak.py
     out += call_variants(1, 32, 8, 2048, 768, 513, 132, (True,))  # tests/gpu/test_batch_invariance.py
+    from .test_timeline_gpu import timeline_variants
+
+    out += timeline_variants()
     # tests/gpu/test_delayed_rank.py: two ranks of MULTI_RANK_SHAPES[1] on 132 // 2 SMs (above).
     for num_sms in (132, 124, 116):  # tools/aux_stream_stall.py
         out += call_variants(1, 32, 8, 7168, 2048, 64, num_sms, (True,))

@@ -1,0 +1,91 @@
+"""Per-tile clock records of the GEMM phases (debugging; tools/tile_timeline.py prints them).
+
+A call given `_timeline=ops.timeline_for(buf)` runs its variant built with MEGAMOE_TIMELINE
+(csrc/megamoe/timeline.cuh), which writes, per CTA and GEMM phase, one producer record and
+one record per math-warpgroup tile (the layout is csrc/megamoe/params.h's; the JIT source
+static_asserts these numbers). `summarize` turns them into where a tile's time goes: the main
+loop (per k-block, and the part of it spent waiting for loaded stages), the epilogue, the gaps
+between tiles, and the phase's tail (CTAs done before the slowest one).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List
+
+# Standard library only at import: megamoe_plugin.jit (which compiles without torch) reads the
+# layout numbers.
+MAX_TILES = 128  # params.h kTimelineMaxTiles: tiles per CTA and phase with a record
+RECORDS = 1 + 2 * MAX_TILES  # kTimelineRecords: the producer's, then 2 math warpgroups per tile
+WORDS = 6  # kTimelineWords
+PHASES = ("L1", "L2")
+
+
+WRAP = 1 << 32  # the tile records' clocks are 32-bit
+
+
+def summarize(timeline, k_blocks: Dict[str, int]) -> Dict[str, dict]:
+    """Per GEMM phase (k_blocks: its k-blocks per tile, e.g. {"L1": H / 128, "L2": I / 128}) of a
+    record array (a tensor or nested lists): tiles per CTA, and in SM cycles per tile the main
+    loop, its full-stage waits, the epilogue and the gap to the next tile, the main loop per
+    k-block, the producer's empty-stage waits per tile; the SM clock (the producers' cycles per
+    globaltimer ns); in us the phase's span (first producer start to last tile end) and the mean
+    time a CTA sits done before the last one finishes. Phases without records are left out."""
+    t = timeline.tolist() if hasattr(timeline, "tolist") else timeline
+    out = {}
+    for ph, name in enumerate(PHASES):
+        mainloop, waits, epilogue, gaps, producer_wait, ends_ns, starts_ns, tiles = [], [], [], [], [], [], [], []
+        producer_cycles = producer_ns = 0
+        for cta in t:
+            empty_wait, count, clk_start, clk_end, ns_start, ns_end = cta[ph][0]
+            if count == 0:
+                continue
+            tiles.append(count)
+            producer_wait.append(empty_wait / count)
+            producer_cycles += clk_end - clk_start
+            producer_ns += ns_end - ns_start
+            starts_ns.append(ns_start)
+            cta_end = 0
+            for wg in range(2):
+                previous_end = None
+                for i in range(min(count, MAX_TILES)):
+                    start, main_end, end, wait, end_ns, _ = cta[ph][1 + 2 * i + wg]
+                    if end_ns == 0:  # not written
+                        continue
+                    mainloop.append((main_end - start) % WRAP)
+                    waits.append(wait)
+                    epilogue.append((end - main_end) % WRAP)
+                    if previous_end is not None:
+                        gaps.append((start - previous_end) % WRAP)
+                    previous_end = end
+                    cta_end = max(cta_end, end_ns)
+            if cta_end:
+                ends_ns.append(cta_end)
+        if not mainloop:
+            continue
+        mean = statistics.fmean
+        last = max(ends_ns)
+        out[name] = {
+            "ctas": len(tiles), "tiles_per_cta_mean": mean(tiles), "tiles_per_cta_max": max(tiles),
+            "mainloop_cycles": mean(mainloop), "mainloop_cycles_per_k_block": mean(mainloop) / k_blocks[name],
+            "full_wait_cycles": mean(waits), "full_wait_fraction": sum(waits) / max(sum(mainloop), 1),
+            "epilogue_cycles": mean(epilogue), "gap_cycles": mean(gaps) if gaps else 0.0,
+            "producer_empty_wait_cycles_per_tile": mean(producer_wait),
+            "clock_ghz": producer_cycles / producer_ns if producer_ns else 0.0,
+            "span_us": (last - min(starts_ns)) / 1e3, "tail_us_mean": mean(last - e for e in ends_ns) / 1e3,
+        }
+    return out
+
+
+def format_summary(summary: Dict[str, dict]) -> List[str]:
+    """One line per phase, cycles in us at the phase's measured clock."""
+    lines = []
+    for name, s in summary.items():
+        us = lambda cycles: cycles / s["clock_ghz"] / 1e3  # noqa: E731
+        lines.append(
+            f"{name}: {s['ctas']} CTAs x {s['tiles_per_cta_mean']:.1f} tiles (max {s['tiles_per_cta_max']}); per tile: "
+            f"main loop {us(s['mainloop_cycles']):.2f} us ({s['mainloop_cycles_per_k_block']:.0f} cycles per k-block, "
+            f"{100 * s['full_wait_fraction']:.1f}% waiting for loads), epilogue {us(s['epilogue_cycles']):.2f} us, "
+            f"gap {us(s['gap_cycles']):.2f} us, producer waiting for free stages "
+            f"{us(s['producer_empty_wait_cycles_per_tile']):.2f} us; span {s['span_us']:.1f} us, CTAs idle at the "
+            f"end {s['tail_us_mean']:.1f} us on average; SM clock {s['clock_ghz']:.2f} GHz")
+    return lines
