@@ -25,12 +25,12 @@ python3 -m megamoe_plugin.jit --build --model "$HERE/model/config.json" --ep-siz
   --numerics fast --gpu "$(python3 -c 'import torch; print(torch.cuda.get_device_name())')" \
   --cache-dir "$MEGAMOE_CACHE_DIR" > "$OUT/jit_build.log" 2>&1 || { tail -20 "$OUT/jit_build.log"; exit 1; }
 log "variants built in $(( $(date +%s) - START )) s: $(ls "$MEGAMOE_CACHE_DIR" | wc -l) in $MEGAMOE_CACHE_DIR"
-# sglang 0.5.17 under the image's torch 2.11 (it pins an older torch), one rank: the mega-MoE path
-# needs the MLP-sync step, whose MLPSyncBatchInfo.all_gather builds its gathered table with
-# fallback.expand(1, 1, w).contiguous(), a view of `fallback` at world size 1, then writes
-# `fallback` into it by mask; torch 2.11 refuses that write to overlapping memory, so both
-# mega-MoE servers (DeepGEMM's and this one) die on their first batch (docs/results round 11).
-# A copy instead of the view, in the installed file of this machine only:
+# sglang 0.5.17 at world size 1: the mega-MoE path needs the MLP-sync step, whose
+# MLPSyncBatchInfo.all_gather builds its gathered table with fallback.expand(1, 1, w).contiguous(),
+# a view of `fallback` at world size 1, then writes `fallback` into it by mask; torch refuses that
+# write to overlapping memory, so both mega-MoE servers (DeepGEMM's and this one) die on their
+# first batch (docs/sglang.md, "Numbers"; fixed by 0.5.23). A copy instead of the view, in the
+# installed file of this machine only:
 F=$(python3 -c 'import sglang.srt.managers.scheduler_components.dp_attn as m; print(m.__file__)' 2>/dev/null)
 if [ -n "$F" ] && sed -n '/global_info_tensor = fallback_tensor.expand(/,+2p' "$F" | grep -q ").contiguous()"; then
   sed -i '/global_info_tensor = fallback_tensor.expand(/,+2s/).contiguous()/).clone()/' "$F" && log "patched $F: expand(...).clone()"
