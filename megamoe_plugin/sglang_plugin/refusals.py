@@ -7,6 +7,8 @@ expert weights are built (model load), where every rank reaches the same verdict
 """
 from __future__ import annotations
 
+import inspect
+import re
 from typing import Optional
 
 from .. import support
@@ -56,8 +58,28 @@ def check_arguments(cfg) -> None:
             "leave --moe-a2a-backend unset")
 
 
+# sglang 0.5.17's MLPSyncBatchInfo.all_gather, which every mega-MoE forward needs, builds its
+# gathered table as fallback.expand(dp, tp * cp, w).contiguous(): at world size 1 that is a view
+# of `fallback`, and its masked write of `fallback` into the table fails on the first batch
+# ("some elements of the input tensor and the written-to tensor refer to a single memory
+# location", docs/sglang.md; 0.5.23 builds it with repeat). Read off the installed source, so
+# that a copy fixed in place is not refused.
+_ALIASING_GATHER = re.compile(r"fallback_tensor\.expand\([^)]*\)\s*\.contiguous\(\)")
+
+
+def mlp_sync_fails_on_one_gpu_0_5_17() -> bool:
+    from sglang.srt.managers.scheduler_components.dp_attn import MLPSyncBatchInfo
+
+    return _ALIASING_GATHER.search(inspect.getsource(MLPSyncBatchInfo.all_gather)) is not None
+
+
 def check_resolved_0_5_17(server_args, architecture: str, mega_moe_archs, token_cap: int) -> None:
     """sglang 0.5.17's resolved arguments (its own resolution checks none of this for SM90)."""
+    if server_args.tp_size == 1 and mlp_sync_fails_on_one_gpu_0_5_17():
+        raise MegaMoEUnsupportedError(
+            "one GPU (--tp-size 1) on sglang 0.5.17: its MLP-sync step, which every mega-MoE backend runs, "
+            "fails on the first batch at world size 1 (an sglang bug, fixed in 0.5.23)",
+            "serve on 2 or more GPUs (--tp-size and --ep-size N) or use sglang >=0.5.23")
     if architecture not in mega_moe_archs:
         raise MegaMoEUnsupportedError(
             f"{architecture} on sglang 0.5.17: only {', '.join(mega_moe_archs)} take its mega-MoE forward",

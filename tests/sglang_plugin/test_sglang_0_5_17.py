@@ -51,12 +51,15 @@ def test_plugin_loads_through_the_entry_point_in_a_fresh_process():
     assert all(got["wrapped"].values()), got["wrapped"]
 
 
-def _parse(*argv, model=DEEPSEEK_FIXTURE_MODEL):
+def _parse(*argv, model=DEEPSEEK_FIXTURE_MODEL, ranks=2):
+    """Server arguments resolved on CPU, on `ranks` GPUs (EP = TP): 0.5.17 cannot serve a mega-MoE
+    backend on one (test_one_gpu_is_refused_on_0_5_17)."""
     from sglang.srt.server_args import ServerArgs
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    return ServerArgs.from_cli_args(parser.parse_args(["--model-path", str(model), "--device", "cpu", *argv]))
+    return ServerArgs.from_cli_args(parser.parse_args(
+        ["--model-path", str(model), "--device", "cpu", "--tp-size", str(ranks), "--ep-size", str(ranks), *argv]))
 
 
 def test_the_flag_resolves_to_sglangs_mega_moe_path(registered):
@@ -200,3 +203,23 @@ def test_a_forward_over_the_token_cap_is_refused_not_run_on_the_usual_path(selec
     assert mega_moe.should_use_mega_moe(_Block(experts, ids, weights), x[:CAP])
     # Layers whose weights SGLang built (another backend) keep SGLang's answer.
     assert mega_moe.should_use_mega_moe(_Block(Experts(fp8_config()), ids, weights), x) is False
+
+
+def test_one_gpu_is_refused_on_0_5_17(registered):
+    """0.5.17's MLP-sync step fails at world size 1 for every mega-MoE backend (refusals.py):
+    refused at resolution, naming the fix, unless the installed copy was fixed in place (as
+    tools/sglang_on_gpu/rounds.sh does on the GPU machine)."""
+    import inspect
+
+    from sglang.srt.managers.scheduler_components.dp_attn import MLPSyncBatchInfo
+
+    from megamoe_plugin.sglang_plugin import refusals
+
+    with pytest.raises(refusals.MegaMoEUnsupportedError,
+                       match=re.escape("one GPU (--tp-size 1) on sglang 0.5.17") + ".*use sglang >=0.5.23"):
+        _parse("--moe-runner-backend", BACKEND, "--chunked-prefill-size", "1024", ranks=1)
+    # DeepGEMM's megamoe is SGLang's to run or not.
+    assert _parse("--moe-a2a-backend", "megamoe", "--chunked-prefill-size", "1024", ranks=1).moe_a2a_backend == "megamoe"
+    source = inspect.getsource(MLPSyncBatchInfo.all_gather)
+    assert refusals._ALIASING_GATHER.search(source)
+    assert not refusals._ALIASING_GATHER.search(source.replace(").contiguous()", ").clone()"))

@@ -29,8 +29,8 @@ log "variants built in $(( $(date +%s) - START )) s: $(ls "$MEGAMOE_CACHE_DIR" |
 # MLPSyncBatchInfo.all_gather builds its gathered table with fallback.expand(1, 1, w).contiguous(),
 # a view of `fallback` at world size 1, then writes `fallback` into it by mask; torch refuses that
 # write to overlapping memory, so both mega-MoE servers (DeepGEMM's and this one) die on their
-# first batch (docs/sglang.md, "Numbers"; fixed by 0.5.23). A copy instead of the view, in the
-# installed file of this machine only:
+# first batch (docs/sglang.md, "Numbers"; fixed by 0.5.23), and the plugin refuses --tp-size 1 on
+# such a copy. A copy instead of the view, in the installed file of this machine only:
 F=$(python3 -c 'import sglang.srt.managers.scheduler_components.dp_attn as m; print(m.__file__)' 2>/dev/null)
 if [ -n "$F" ] && sed -n '/global_info_tensor = fallback_tensor.expand(/,+2p' "$F" | grep -q ").contiguous()"; then
   sed -i '/global_info_tensor = fallback_tensor.expand(/,+2s/).contiguous()/).clone()/' "$F" && log "patched $F: expand(...).clone()"
