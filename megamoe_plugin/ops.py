@@ -416,7 +416,7 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     (default "fast"). Every rank must pass the same mode.
     `_stop_after_phase` is for phase-by-phase kernel debugging (csrc/megamoe/kernel.cuh
     numbers the phases); a stopped call leaves the send counters for the caller to zero.
-    `_timeline` (megamoe_plugin.timeline.new_timeline) is for finding where a GEMM tile's time
+    `_timeline` (ops.timeline_for(buf); megamoe_plugin.timeline reads it) is for finding where a GEMM tile's time
     goes: the call runs its variant built with per-tile clock records, which it writes there."""
     validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats, config_num_tokens)
     numerics = resolve_numerics(numerics)
