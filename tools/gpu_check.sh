@@ -9,7 +9,9 @@
 #      shared-memory tables (wavefronts, bank conflicts) and the pipe utilization (tensor);
 #      for L1 at BLOCK_M 64: NCU_ARGS="--configs v4flash --tokens 8192". SANITIZER=1 adds
 #      compute-sanitizer memcheck and racecheck of every BLOCK_M tier on a small shape, in each
-#      numerics mode. PRECOMPILE=1 first compiles (all CPUs) whatever the tests load that the
+#      numerics mode; SANITIZER_SMS=N runs them on an N-CTA grid (MEGAMOE_NUM_SMS: fewer CTAs
+#      spinning on flags under the tools; racecheck at BLOCK_M 128 did not end in 225 s on all
+#      132, results round 12). PRECOMPILE=1 first compiles (all CPUs) whatever the tests load that the
 #      carried cache lacks (python -m tests.gpu.cases). SOAK=1 adds tools/soak.py (SOAK_ARGS).
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -59,7 +61,8 @@ if [ "${SANITIZER:-0}" != 0 ]; then
     tiers=$(python3 -c "from megamoe_plugin.heuristics import implemented_block_m; print(*implemented_block_m('$numerics'))")
     for bm in ${SANITIZER_TIERS:-$tiers}; do  # the sanitizer slows the kernel far past the default wait bound
       log="$OUT/sanitizer_${numerics}_${tool}_bm$bm.txt"
-      MEGAMOE_NUMERICS=$numerics MEGAMOE_BLOCK_M=$bm MEGAMOE_TIMEOUT_S=300 timeout "${SANITIZER_TIMEOUT:-300}" \
+      env ${SANITIZER_SMS:+MEGAMOE_NUM_SMS=$SANITIZER_SMS} \
+          MEGAMOE_NUMERICS=$numerics MEGAMOE_BLOCK_M=$bm MEGAMOE_TIMEOUT_S=300 timeout "${SANITIZER_TIMEOUT:-300}" \
           compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/debug_phases.py 384 256 4 4 16 --phases 0 \
           > "$log" 2>&1
       echo "compute-sanitizer $numerics $tool BLOCK_M $bm: exit $? $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -1)"

@@ -12,7 +12,10 @@ import megamoe_plugin as mm
 from megamoe_plugin.custom_op import fp8_mega_moe as op_call
 from megamoe_plugin.heuristics import NUMERICS_MODES
 from megamoe_plugin.reference import calc_diff
-from megamoe_plugin.testing import output_errors, random_inputs, random_layer
+from megamoe_plugin.testing import output_errors, random_inputs
+
+from .cases import Shape
+from .single_gpu import layer_and_buffer
 
 E, K, H, I, MAX_TOKENS = 8, 4, 512, 256, 96
 
@@ -20,9 +23,7 @@ E, K, H, I, MAX_TOKENS = 8, 4, 512, 256, 96
 @pytest.fixture(scope="module")
 def world():
     gen = torch.Generator(device="cuda").manual_seed(13)
-    layer = random_layer(E, H, I, "cuda", gen)
-    buf = mm.get_symm_buffer(None, E, MAX_TOKENS, K, H, I)
-    return layer, buf, gen
+    return (*layer_and_buffer(Shape(H, I, K, E, MAX_TOKENS), gen), gen)
 
 
 class MoE(torch.nn.Module):

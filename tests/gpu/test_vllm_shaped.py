@@ -9,7 +9,10 @@ import torch
 import megamoe_plugin as mm
 from megamoe_plugin.fp8 import quantize_per_token_group
 from megamoe_plugin.heuristics import NUMERICS_MODES
-from megamoe_plugin.testing import check_outputs, random_layer, random_routing
+from megamoe_plugin.testing import check_outputs, random_routing
+
+from .cases import Shape
+from .single_gpu import layer_and_buffer
 
 # Qwen3-30B-A3B's expert shape (the vllm_on_gpu model): H 2048, I 768, 128 experts, top-8.
 HIDDEN, INTER, EXPERTS, TOPK, MAX_TOKENS = 2048, 768, 128, 8, 256
@@ -18,9 +21,7 @@ HIDDEN, INTER, EXPERTS, TOPK, MAX_TOKENS = 2048, 768, 128, 8, 256
 @pytest.fixture(scope="module")
 def setup():
     gen = torch.Generator(device="cuda").manual_seed(11)
-    layer = random_layer(EXPERTS, HIDDEN, INTER, "cuda", gen)
-    buf = mm.get_symm_buffer(None, EXPERTS, MAX_TOKENS, TOPK, HIDDEN, INTER)
-    return layer, buf, gen
+    return (*layer_and_buffer(Shape(HIDDEN, INTER, TOPK, EXPERTS, MAX_TOKENS), gen), gen)
 
 
 @pytest.mark.parametrize("numerics", NUMERICS_MODES)
