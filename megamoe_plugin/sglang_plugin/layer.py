@@ -72,7 +72,16 @@ def build_weights(original, experts) -> None:
     experts._mega_moe_sm90_fp8_weights = True
     experts._mega_moe_weights_built = True
     setattr(experts, MARK, True)
+    serving.register_layer_weights(_warmup_key(experts), experts, experts.mega_l1_weights, experts.mega_l2_weights)
     return None
+
+
+def _warmup_key(experts) -> tuple:
+    """What the layers that share a buffer have in common (their experts' kernel-layout shapes
+    and device): the first forward of any of them builds the kernel params of all that are
+    loaded (serving.maybe_warmup), so start-up reports one warm-up, not one per layer."""
+    (w13, _), (w2, _) = experts.mega_l1_weights, experts.mega_l2_weights
+    return ("sglang", str(w13.device), tuple(w13.shape), tuple(w2.shape))
 
 
 def is_available(original, experts) -> bool:
@@ -145,10 +154,11 @@ def _run_routed(experts, hidden_states, topk_ids, topk_weights, buf, num_tokens,
     if serving.get_executor() == "reference":
         serving.run_reference(y, hidden_states, topk_ids, topk_weights, l1, l2, buf, experts.num_experts, clamp)
         return y
-    # Layers share a buffer; each layer's first call builds its kernel params (and the
-    # first call on the buffer compiles the variants): SGLang's eager warm-up forwards before
-    # CUDA-graph capture make these calls.
-    serving.maybe_warmup(buf, ("sglang", id(buf)), l1, l2, serving.warmup_token_counts(buf.shape.num_max_tokens_per_rank, ()))
+    # Layers share a buffer; the first call on it compiles the variants and builds the kernel
+    # params of every loaded layer (build_weights registered them): SGLang's eager warm-up
+    # forward before CUDA-graph capture makes that call.
+    serving.maybe_warmup(buf, _warmup_key(experts), l1, l2,
+                         serving.warmup_token_counts(buf.shape.num_max_tokens_per_rank, ()))
     serving.run_kernel(y, hidden_states, topk_ids, topk_weights, l1, l2, buf, clamp,
                        rank_equal_num_tokens=rank_equal_num_tokens)
     return y

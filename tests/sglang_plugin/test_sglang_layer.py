@@ -125,3 +125,45 @@ def test_the_kernel_executor_refuses_a_device_that_is_not_sm90(selected_on_sm90,
     with pytest.raises(MegaMoEUnsupportedError, match=r"SM90 GPUs .* only, this process has no CUDA device"):
         monkeypatch.setattr(sm90, "_device_sm", 0)
         sm90.build_sm90_mega_moe_experts_weights(Experts(fp8_config()))
+
+
+def test_the_first_forward_warms_up_every_loaded_layer_in_one_step(selected_on_sm90, monkeypatch):
+    """Executor "kernel" with recording stand-ins for the op and the warm-up: the weight build
+    registers each layer, so the first forward on the shared buffer builds the params of all of
+    them in one warm-up (one start-up report, not one per layer), and every layer's forward
+    hands the op its own weights."""
+    import sglang.srt.layers.moe.mega_moe as mega_moe
+    import sglang.srt.layers.moe.mega_moe_sm90 as sm90
+    from kernel_stand_ins import record_kernel_calls
+
+    from megamoe_plugin import serving
+
+    layers = [Experts(fp8_config(), seed=seed) for seed in (3, 4, 5)]
+    ckpts = [[p.data.clone() for p in (e.w13_weight, e.w13_weight_scale_inv, e.w2_weight, e.w2_weight_scale_inv)]
+             for e in layers]
+    for experts in layers:
+        sm90.build_sm90_mega_moe_experts_weights(experts)
+    calls = record_kernel_calls(monkeypatch)
+    serving.set_executor("kernel")  # sm90_reference restores the executor it found
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, HIDDEN, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=g)[:TOPK] for _ in range(5)]).int()
+    weights = torch.rand(5, TOPK, generator=g)
+    for _ in range(2):
+        for experts, ckpt in zip(layers, ckpts):
+            y = mega_moe.run_mega_routed_experts(experts, x, ids, weights, hidden_size=HIDDEN,
+                                                 intermediate_size=INTERMEDIATE, top_k=TOPK, num_tokens=5)
+            want = expected(x.float(), ids, weights, *ckpt)
+            assert ((y.float() - want).norm() / want.norm()).item() < 2e-2
+
+    def pointers(l1, l2):
+        return tuple(t.data_ptr() for t in (*l1, *l2))
+
+    assert len(calls["warmup"]) == 1
+    buf, counts, _, warmed, others = calls["warmup"][0]
+    assert counts[0] == 1 and counts[-1] == buf.num_max_tokens_per_rank
+    assert pointers(*warmed) == pointers(layers[0].mega_l1_weights, layers[0].mega_l2_weights)
+    assert sorted(pointers(*w) for w in others) == sorted(pointers(e.mega_l1_weights, e.mega_l2_weights)
+                                                           for e in layers[1:])
+    assert [c["n"] for c in calls["op"]] == [5] * 6 and len({id(c["buf"]) for c in calls["op"]}) == 1

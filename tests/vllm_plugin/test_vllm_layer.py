@@ -18,6 +18,7 @@ pytest.importorskip("vllm")
 from conftest import (HIDDEN, INTERMEDIATE, MAX_BATCHED_TOKENS, NUM_EXPERTS, TOPK, build_moe,  # noqa: E402
                       torch_softmax_topk)
 from contract_oracle import FP8, dequant_blocks, quant_blocks, quant_dequant_rows  # noqa: E402
+from kernel_stand_ins import record_kernel_calls  # noqa: E402
 
 
 
@@ -296,34 +297,9 @@ class FakeSM90:
 def kernel_executor_with_fake_op(monkeypatch):
     """Executor 'kernel' on CPU: fake SM90 probe, recording stand-ins for warmup and the op
     (the stand-in op computes the reference from the staged buffer and the weights it is given)."""
-    import megamoe_plugin as mm
-    import megamoe_plugin.ops as ops
-
     from megamoe_plugin.vllm_plugin import executor, refusals
 
-    calls = {"op": [], "warmup": []}
-
-    def fake_op(y, l1, l2, buf, activation_clamp=None, fast_math=True, cumulative_local_expert_recv_stats=None,
-                config_num_tokens=None, numerics=None):
-        n = y.shape[0]
-        calls["op"].append(dict(n=n, l1=l1, l2=l2, buf=buf, clamp=activation_clamp, config=config_num_tokens,
-                                numerics=numerics))
-        if n:
-            (w13, s13), (w2, s2) = mm.untransform_weights(tuple(l1), tuple(l2))
-            ranks = [dict(x=buf.x[:n], x_sf=buf.x_sf[:n], topk_idx=buf.topk_idx[:n],
-                          topk_weights=buf.topk_weights[:n])]
-            (ref,) = mm.reference.mega_moe(ranks, [dict(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)],
-                                           buf.num_experts, activation_clamp=activation_clamp)
-            y.copy_(ref)
-        return y
-
-    def fake_warmup(buf, l1, l2, counts, fast_math=True, numerics=None, other_layers=()):
-        calls["warmup"].append((buf, list(counts), numerics, [tuple(l1), tuple(l2)], [list(w) for w in other_layers]))
-        return 1
-
-    # The experts call torch.ops.megamoe.fp8_mega_moe, whose eager implementation calls this.
-    monkeypatch.setattr(ops, "fp8_mega_moe", fake_op)
-    monkeypatch.setattr(ops, "warmup", fake_warmup)
+    calls = record_kernel_calls(monkeypatch)
     previous = executor.set_executor("kernel")
     executor.clear_buffers()
     with refusals.override_probe(FakeSM90()):
