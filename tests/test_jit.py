@@ -93,15 +93,19 @@ def test_compile_variants_keeps_order_runs_at_once_and_returns_errors(monkeypatc
     assert peak[0] > 1
 
 
-def test_parse_ptxas_flags_serialized_wgmma():
-    """ptxas's C7518 (WGMMAs serialized) fails the compile check like a spill: it silently runs the
-    tensor pipe one WGMMA at a time (csrc/megamoe/mma.cuh says what caused it once)."""
+@pytest.mark.parametrize("code, reason", [
+    ("C7518", "program dependence on compiler-inserted WG.DP in divergent path"),
+    ("C7511", "insufficient register resources for the wgmma pipeline"),  # results round 12
+])
+def test_parse_ptxas_flags_serialized_wgmma(code, reason):
+    """ptxas serializing the WGMMAs (any of its codes) fails the compile check like a spill: it
+    silently runs the tensor pipe one WGMMA at a time (csrc/megamoe/mma.cuh says what caused it once)."""
     clean = ("ptxas info    : Compiling entry function 'megamoe_fused_kernel' for 'sm_90a'\n"
              "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
              "ptxas info    : Used 168 registers, used 1 barriers\n")
-    serialized = ("ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized "
-                  "due to program dependence on compiler-inserted WG.DP in divergent path in the function "
-                  "'megamoe_fused_kernel'\n" + clean)
+    serialized = (f"ptxas info    : ({code}) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+                  f"due to {reason} in the function 'megamoe_fused_kernel'\n" + clean)
     assert not jit.parse_ptxas(clean).wgmma_serialized
     usage = jit.parse_ptxas(serialized)
+    assert usage.wgmma_serialized == code
     assert usage.wgmma_serialized and usage.registers == 168 and usage.spill_stores == 0

@@ -91,6 +91,9 @@ __device__ __forceinline__ void for_each_fragment_col(F&& f) {
 //   BLOCK_M 64 L2 runs at up to 8192 tokens, where the 64-row batches' extra shared-memory reads
 //   of the token tile (read once per batch) cost more than the waits: v3 2048 tokens 3322 ->
 //   3511 us with them (round 10).
+// Both GEMMs batch alike: at BLOCK_M 128, 128-row batches for L2 alone (1718 -> 1463 cycles per
+// k-block with them, L1 1551 -> 1714, results round 12) made ptxas serialize every WGMMA of the
+// v3 kernel (C7511, too few registers for the WGMMA pipeline; 828 bytes spilled).
 // A 64-row batch j of half h holds columns [64j, 64j + 64) of the half, i.e. acc[64h + 32j, +32)
 // in the m64n128 layout (chunk c of the n64 fragment is chunk 8j + c of the n128 one): batch b's
 // part always lands at acc + b * kPartFloats.

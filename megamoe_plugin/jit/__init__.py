@@ -324,6 +324,9 @@ def compile_variants(variants: List[KernelVariant], verbose: bool = False,
         return list(pool.map(one, variants))
 
 
+WGMMA_SERIALIZED = re.compile(r"\((C\d+)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized")
+
+
 @dataclasses.dataclass
 class ResourceUsage:
     registers: int
@@ -331,9 +334,11 @@ class ResourceUsage:
     spill_loads: int
     stack_frame: int
     static_smem: int
-    # ptxas serialized the WGMMAs (warning C7518, e.g. a path that leaves a main loop with a batch in
-    # flight): the tensor pipe then runs one WGMMA at a time, a silent slowdown (csrc/megamoe/mma.cuh).
-    wgmma_serialized: bool = False
+    # ptxas serialized the WGMMAs, the whole kernel's (its "Potential Performance Loss" notes, any
+    # code: C7518 for a path that leaves a main loop with a batch in flight, csrc/megamoe/mma.cuh;
+    # C7511 for too few registers to keep WGMMAs in flight, results round 12): the tensor pipe then
+    # runs one WGMMA at a time, a silent slowdown. The note's code, "" when none.
+    wgmma_serialized: str = ""
 
 
 def parse_ptxas(log: str) -> ResourceUsage:
@@ -348,7 +353,7 @@ def parse_ptxas(log: str) -> ResourceUsage:
         spill_loads=grab(r"(\d+) bytes spill loads"),
         stack_frame=grab(r"(\d+) bytes stack frame"),
         static_smem=grab(r"(\d+) bytes smem"),
-        wgmma_serialized="C7518" in log,
+        wgmma_serialized=",".join(dict.fromkeys(WGMMA_SERIALIZED.findall(log))),
     )
 
 
@@ -371,7 +376,7 @@ def check_variants(variants: List[KernelVariant]) -> int:
             # the main loop): acceptable in that debugging build, shown, not failed.
             spills_fail = spills > 0 and not variant.timeline
             ok = not spills_fail and usage.registers > 0 and not usage.wgmma_serialized
-            status = ("SPILLS" if spills_fail else "WGMMA SERIALIZED (ptxas C7518)" if usage.wgmma_serialized
+            status = ("SPILLS" if spills_fail else f"WGMMA SERIALIZED (ptxas {usage.wgmma_serialized})" if usage.wgmma_serialized
                       else "no ptxas report" if usage.registers <= 0 else "ok (timeline build spills)" if spills
                       else "ok")
             row = (f"{variant.name():58s} {usage.registers:5d} {spills:6d} {usage.stack_frame:6d} "
