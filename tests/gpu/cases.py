@@ -108,6 +108,11 @@ def variants():
     from .test_timeline_gpu import timeline_variants
 
     out += timeline_variants()
+    # tools/tile_timeline.py (TIMELINE=1 in tools/gpu_check.sh): its default configs, in fast numerics.
+    for ref in (REFERENCE_SHAPES["v3"], REFERENCE_SHAPES["v4flash"]):
+        out += [dataclasses.replace(v, timeline=True)
+                for v in call_variants(1, ref.num_local_experts, ref.num_topk, ref.hidden, ref.intermediate_size, 8192,
+                                       132, (True,), numerics_modes=("fast",))]
     # tests/gpu/test_delayed_rank.py: two ranks of MULTI_RANK_SHAPES[1] on 132 // 2 SMs (above).
     for num_sms in (132, 124, 116):  # tools/aux_stream_stall.py
         out += call_variants(1, 32, 8, 7168, 2048, 64, num_sms, (True,))
