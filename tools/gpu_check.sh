@@ -7,7 +7,11 @@
 #      (TIMELINE_ARGS: where each GEMM tile's time goes), NCU=1 adds an Nsight Compute report of
 #      one config (NCU_ARGS, default "--configs v4flash --tokens 1"), per phase, with the
 #      shared-memory tables (wavefronts, bank conflicts) and the pipe utilization (tensor);
-#      for L1 at BLOCK_M 64: NCU_ARGS="--configs v4flash --tokens 8192". SANITIZER=1 adds
+#      for L1 at BLOCK_M 64: NCU_ARGS="--configs v4flash --tokens 8192"; it also samples warp stalls
+#      per SASS instruction (ncu_source.csv.gz: which instruction each warp waited at, and why).
+#      MICROBENCH=1 runs tools/microbench/mainloop.cu (the served main loop alone, under producers
+#      of decreasing realism, beside the bare WGMMA stream; MICROBENCH_BIN: a binary built off the
+#      GPU, else it builds here; MICROBENCH_ARGS: tiles per CTA). SANITIZER=1 adds
 #      compute-sanitizer memcheck and racecheck of every BLOCK_M tier on a small shape, in each
 #      numerics mode; SANITIZER_SMS=N runs them on an N-CTA grid (MEGAMOE_NUM_SMS: fewer CTAs
 #      spinning on flags under the tools; racecheck at BLOCK_M 128 did not end in 225 s on all
@@ -50,10 +54,17 @@ fi
 if [ "${NCU:-0}" != 0 ]; then
   timeout "${NCU_TIMEOUT:-300}" ncu --profile-from-start off --clock-control none --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis \
-      --section WarpStateStats --section SchedulerStats -o "$OUT/profile" \
+      --section WarpStateStats --section SchedulerStats --section SourceCounters -o "$OUT/profile" \
       python3 tools/phase_times.py ${NCU_ARGS:---configs v4flash --tokens 1} --iters 1 --profile > "$OUT/ncu.log" 2>&1
   ncu --import "$OUT/profile.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
+  ncu --import "$OUT/profile.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/ncu_source.csv.gz"
   tail -5 "$OUT/ncu.log"; grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)" "$OUT/ncu_details.txt"
+fi
+if [ "${MICROBENCH:-0}" != 0 ]; then
+  bin="${MICROBENCH_BIN:-/tmp/mainloop}"
+  [ -x "$bin" ] || nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -I csrc -I "${MEGAMOE_CUTLASS_INCLUDE:-}" \
+      tools/microbench/mainloop.cu -o "$bin" > "$OUT/microbench_build.log" 2>&1
+  timeout "${MICROBENCH_TIMEOUT:-120}" "$bin" ${MICROBENCH_ARGS:-} 2>&1 | tee "$OUT/mainloop.txt" || rc=1
 fi
 if [ "${SANITIZER:-0}" != 0 ]; then
   for numerics in ${SANITIZER_NUMERICS:-fast exact}; do
