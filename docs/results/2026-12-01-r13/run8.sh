@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Next hold, call 2 (carry [".whl_cutlass", ".carry/next"]), on main: Nsight Compute with warp-stall
-# sampling per SASS instruction on v3 at 8192 tokens (BLOCK_M 128), and racecheck at BLOCK_M 128 on
-# an 8-CTA grid (it did not end in 225 s on 132, results round 12).
-set -u
-N=$PWD/.carry/next
-mkdir -p /tmp/cache_main && tar -xJf $N/cache_main.tar.xz -C /tmp/cache_main
-TEST=0 BENCH=0 NCU=1 NCU_TIMEOUT=330 NCU_ARGS="--configs v3 --tokens 8192" \
-  SANITIZER=1 SANITIZER_NUMERICS=fast SANITIZER_TIERS=128 SANITIZER_SMS=8 SANITIZER_TIMEOUT=200 \
-  MEGAMOE_CACHE_DIR=/tmp/cache_main WHEELS=.whl_cutlass bash tools/gpu_check.sh
-rm -f $OUT/profile.ncu-rep.bak; ls -la $OUT
+# Next hold, call 2 of 3: where the tiles' time goes in each tree, then the calls, interleaved
+# epi/l2b/main twice (fast numerics). About 6 min.
+source .carry/next/setup.sh
+for tree in epi l2b main; do
+  in_tree $tree timeout 80 python3 tools/tile_timeline.py --configs v3,v4flash --tokens 2048,8192 2>&1 \
+    | sed "s/^/$tree /" | tee -a $OUT/tile_timeline.txt | grep -E "L1:|L2:|call"
+done
+stamp timeline
+AB="--configs v3,v4flash --tokens 128,512,2048,8192 --numerics fast --baseline none"
+for i in 1 2; do for tree in epi l2b main; do
+  in_tree $tree timeout 80 python3 -m megamoe_plugin.bench $AB --results $OUT/ab_${tree}_$i 2>>$OUT/ab_stderr.log \
+    | sed "s/^/$tree$i /" | tee -a $OUT/ab.txt | grep -E " (v3|v4flash) "
+done; done
+stamp ab
+cd $OUT && tar -czf logs.tgz *.txt *.log ab_* && ls
