@@ -62,7 +62,8 @@ if [ "${NCU:-0}" != 0 ]; then
 fi
 if [ "${MICROBENCH:-0}" != 0 ]; then
   bin="${MICROBENCH_BIN:-/tmp/mainloop}"
-  [ -x "$bin" ] || nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -I csrc -I "${MEGAMOE_CUTLASS_INCLUDE:-}" \
+  [ -x "$bin" ] || nvcc $(python3 -c "from megamoe_plugin.jit import nvcc_flags; print(*nvcc_flags())") -I csrc \
+      -I "$(python3 -c "from megamoe_plugin.jit import cutlass_include_dir; print(cutlass_include_dir())")" \
       tools/microbench/mainloop.cu -o "$bin" > "$OUT/microbench_build.log" 2>&1
   timeout "${MICROBENCH_TIMEOUT:-120}" "$bin" ${MICROBENCH_ARGS:-} 2>&1 | tee "$OUT/mainloop.txt" || rc=1
 fi

@@ -20,8 +20,9 @@
 // peak with both warpgroups, 512 per warpgroup), the share of the tensor pipe that is, TFLOP/s,
 // and the SM clock the run saw. The served rows are comparable with tools/tile_timeline.py's.
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -I csrc -I $CUTLASS_INCLUDE \
-//        tools/microbench/mainloop.cu -o /tmp/mainloop && /tmp/mainloop [tiles per CTA, 8]
+// Build with the kernel's flags (megamoe_plugin.jit.nvcc_flags; tools/gpu_check.sh MICROBENCH=1 does):
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I csrc \
+//        -I $CUTLASS_INCLUDE tools/microbench/mainloop.cu -o /tmp/mainloop && /tmp/mainloop [tiles per CTA, 8]
 #include <cuda.h>
 #include <cuda_runtime.h>
 
