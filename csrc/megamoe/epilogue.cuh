@@ -66,27 +66,47 @@ struct TileRows {
 };
 
 // What the epilogue of a BLOCK_M 64 / 128 tile reads per row from global memory (L1: the routing
-// weight; L2: the (source rank, token * K + slot) destination), loaded when the tile starts. Read
-// after the main loop, these loads queue behind the next tile's stage loads, which the producer
-// issues as soon as the main loop frees its stages (results round 12: 3.4 us of a 15 us L2 tile
-// went to its epilogue, half that where only one warpgroup's rows were valid).
+// weight; L2: the (source rank, token * K + slot) destination). Where the registers allow
+// (Cfg::kEarlyEpilogueRows) the loads go out when the tile starts (at_tile_start) and the epilogue
+// takes the values (row); elsewhere row() loads them where the epilogue needs them. Read after the
+// main loop, these loads queue behind the next tile's stage loads, which the producer issues as
+// soon as the main loop frees its stages (results round 12: 3.4 us of a 15 us L2 tile went to its
+// epilogue, half that where only one warpgroup's rows were valid).
 template <class Cfg, bool kIsL2>
 struct EpilogueRows {
   using Value = std::conditional_t<kIsL2, int2, float>;
-  Value v[2];
-  // The epilogue recomputes the tile's rows from the tables (TileRows::of), so that only the loaded
-  // values stay live across the main loop (Cfg::kEarlyEpilogueRows says where they may).
-  __device__ static EpilogueRows load(const KernelParams& p, uint8_t* base, const ExpertTables& tables, const Tile& t,
-                                      int wg, const FragCoord& fc) {
-    const TileRows<Cfg> rows = TileRows<Cfg>::of(tables, t, wg);
-    const Value* src = reinterpret_cast<const Value*>(base + (kIsL2 ? p.off.pool_src : p.off.pool_weight));
+  static constexpr bool kEarly = Cfg::kEarlyEpilogueRows;
+  Value early[kEarly ? 2 : 1];
+
+  __device__ static const Value* source(const KernelParams& p, uint8_t* base) {
+    return reinterpret_cast<const Value*>(base + (kIsL2 ? p.off.pool_src : p.off.pool_weight));
+  }
+  // The epilogue recomputes the tile's rows from the tables (TileRows::of), so that only the
+  // loaded values stay live across the main loop.
+  __device__ static EpilogueRows at_tile_start(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
+                                               const Tile& t, int wg, const FragCoord& fc) {
     EpilogueRows e;
+    if constexpr (kEarly) {
+      const TileRows<Cfg> rows = TileRows<Cfg>::of(tables, t, wg);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      e.v[half] = Value{};
-      if (rows.valid(fc, half)) e.v[half] = __ldcg(src + rows.row(fc, half));
+      for (int half = 0; half < 2; ++half) e.early[half] = load(source(p, base), rows, fc, half);
     }
     return e;
+  }
+  // Row r0 + 8 * half's value; zero for a row past the tile's valid rows.
+  __device__ Value row(const KernelParams& p, uint8_t* base, const TileRows<Cfg>& rows, const FragCoord& fc,
+                       int half) const {
+    if constexpr (kEarly) return early[half];
+    else return load(source(p, base), rows, fc, half);
+  }
+
+ private:
+  __device__ static Value load(const Value* src, const TileRows<Cfg>& rows, const FragCoord& fc, int half) {
+    Value v{};
+    // (src + row_base) + row in the tile, as before this struct: src + (row_base + ...) made ptxas
+    // spill 32 bytes instead of 12 at BLOCK_M 64, fast_math=False (H7168-I3072-K1-E1).
+    if (rows.valid(fc, half)) v = __ldcg(src + rows.row_base + fc.r0 + 8 * half);
+    return v;
   }
 };
 
@@ -105,7 +125,7 @@ __device__ __forceinline__ void l1_epilogue(const KernelParams& p, uint8_t* base
   constexpr int kHalves = Cfg::kWgHalves;
   const TileRows<Cfg> rows = TileRows<Cfg>::of(tables, t, wg);
   const bool valid[2] = {rows.valid(fc, 0), rows.valid(fc, 1)};
-  const float* w = weights.v;
+  const float w[2] = {weights.row(p, base, rows, fc, 0), weights.row(p, base, rows, fc, 1)};
   const float clamp = p.activation_clamp;
 
   // acc[64h + 8j + i], i < 4: output pair j of half h (gate chunk 2j; the up chunk 2j + 1 is
@@ -181,14 +201,14 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
 // stores chunks 4g + q. Half h of the warpgroup covers hidden columns 128 b + [0, 128) of the
 // tile, b = Cfg::wg_weight_block(wg, h).
 template <class Cfg>
-__device__ __forceinline__ void l2_epilogue(const KernelParams& p, const ExpertTables& tables, const Tile& t, int wg,
-                                            const FragCoord& fc, const EpilogueRows<Cfg, true>& dests,
-                                            const float* acc) {
+__device__ __forceinline__ void l2_epilogue(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
+                                            const Tile& t, int wg, const FragCoord& fc,
+                                            const EpilogueRows<Cfg, true>& dests, const float* acc) {
   const TileRows<Cfg> rows = TileRows<Cfg>::of(tables, t, wg);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const bool valid = rows.valid(fc, half);  // uniform over the quad (one row)
-    const int2 src = dests.v[half];           // (source rank, token * K + slot); (0, 0) for an invalid row
+    const bool valid = rows.valid(fc, half);              // uniform over the quad (one row)
+    const int2 src = dests.row(p, base, rows, fc, half);  // (source rank, token * K + slot)
     __nv_bfloat16* row = reinterpret_cast<__nv_bfloat16*>(p.peer_base[src.x] + p.off.combine) +
                          (int64_t)src.y * Cfg::kHidden;
 #pragma unroll

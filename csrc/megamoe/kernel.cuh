@@ -82,14 +82,12 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
         clock.mainloop_done();
         l2_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc);
       } else {
-        EpilogueRows<Cfg, true> dests;
-        if constexpr (Cfg::kEarlyEpilogueRows) dests = EpilogueRows<Cfg, true>::load(p, base, tables, t, wg, fc);
+        const auto dests = EpilogueRows<Cfg, true>::at_tile_start(p, base, tables, t, wg, fc);
         if (!mma_tile<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales,
                                                clock.full_wait))
           return false;
         clock.mainloop_done();
-        if constexpr (!Cfg::kEarlyEpilogueRows) dests = EpilogueRows<Cfg, true>::load(p, base, tables, t, wg, fc);
-        l2_epilogue<Cfg>(p, tables, t, wg, fc, dests, acc);
+        l2_epilogue<Cfg>(p, base, tables, t, wg, fc, dests, acc);
       }
       clock.record(p, 1, tile_of_cta, wg);
     } else {
@@ -106,13 +104,11 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
         clock.mainloop_done();
         l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
       } else {
-        EpilogueRows<Cfg, false> weights;
-        if constexpr (Cfg::kEarlyEpilogueRows) weights = EpilogueRows<Cfg, false>::load(p, base, tables, t, wg, fc);
+        const auto weights = EpilogueRows<Cfg, false>::at_tile_start(p, base, tables, t, wg, fc);
         if (!mma_tile<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales,
                                                clock.full_wait))
           return false;
         clock.mainloop_done();
-        if constexpr (!Cfg::kEarlyEpilogueRows) weights = EpilogueRows<Cfg, false>::load(p, base, tables, t, wg, fc);
         l1_epilogue<Cfg>(p, base, tables, t, wg, fc, weights, acc, amax_exchange, parity);
       }
       if constexpr (Cfg::kL2TrailsL1) publish_l1_tile<Cfg>(p, base, tables, t);
