@@ -40,6 +40,10 @@ struct KernelConfig {
   static constexpr int kEntryRegisters = 168;  // 65536 / 384, in setmaxnreg's steps of 8
   static constexpr int kMathRegisters = 232;
   static constexpr int kProducerRegisters = 40;
+  // The epilogues' per-row loads go out before the main loop where the registers allow
+  // (epilogue.cuh EpilogueRows): at BLOCK_M 128. At BLOCK_M 64, L2's four values live across the
+  // main loop made ptxas spill (12 bytes in fast numerics, 32 in exact with fast_math=False).
+  static constexpr bool kEarlyEpilogueRows = kRebalanceRegisters;
   // The first pool row of the tile that warpgroup `wg` computes, and the 128-row weight block
   // of the tile its half `h` covers (mma_tile, l1_epilogue, l2_epilogue).
   static constexpr int wg_first_row(int wg) { return kWgHalves == 2 ? 64 * wg : 0; }

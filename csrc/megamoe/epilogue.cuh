@@ -13,6 +13,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <type_traits>
+
 #include "config.cuh"
 #include "mma.cuh"
 #include "params.h"
@@ -50,6 +52,64 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+// The pool rows a math warpgroup's thread holds in a BLOCK_M 64 / 128 tile (mma.cuh FragCoord):
+// row_base + r0 + 8 * half, half < 2, valid below valid_rows.
+template <class Cfg>
+struct TileRows {
+  int row_base, valid_rows;
+  __device__ static TileRows of(const ExpertTables& tables, const Tile& t, int wg) {
+    return {tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM + Cfg::wg_first_row(wg),
+            tables.exp_count[t.expert] - t.m_block * Cfg::kBlockM - Cfg::wg_first_row(wg)};
+  }
+  __device__ bool valid(const FragCoord& fc, int half) const { return fc.r0 + 8 * half < valid_rows; }
+  __device__ int row(const FragCoord& fc, int half) const { return row_base + fc.r0 + 8 * half; }
+};
+
+// What the epilogue of a BLOCK_M 64 / 128 tile reads per row from global memory (L1: the routing
+// weight; L2: the (source rank, token * K + slot) destination). Where the registers allow
+// (Cfg::kEarlyEpilogueRows) the loads go out when the tile starts (at_tile_start) and the epilogue
+// takes the values (row); elsewhere row() loads them where the epilogue needs them. Read after the
+// main loop, these loads queue behind the next tile's stage loads, which the producer issues as
+// soon as the main loop frees its stages (results round 12: 3.4 us of a 15 us L2 tile went to its
+// epilogue, half that where only one warpgroup's rows were valid).
+template <class Cfg, bool kIsL2>
+struct EpilogueRows {
+  using Value = std::conditional_t<kIsL2, int2, float>;
+  static constexpr bool kEarly = Cfg::kEarlyEpilogueRows;
+  Value early[kEarly ? 2 : 1];
+
+  __device__ static const Value* source(const KernelParams& p, uint8_t* base) {
+    return reinterpret_cast<const Value*>(base + (kIsL2 ? p.off.pool_src : p.off.pool_weight));
+  }
+  // The epilogue recomputes the tile's rows from the tables (TileRows::of), so that only the
+  // loaded values stay live across the main loop.
+  __device__ static EpilogueRows at_tile_start(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
+                                               const Tile& t, int wg, const FragCoord& fc) {
+    EpilogueRows e;
+    if constexpr (kEarly) {
+      const TileRows<Cfg> rows = TileRows<Cfg>::of(tables, t, wg);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) e.early[half] = load(source(p, base), rows, fc, half);
+    }
+    return e;
+  }
+  // Row r0 + 8 * half's value; zero for a row past the tile's valid rows.
+  __device__ Value row(const KernelParams& p, uint8_t* base, const TileRows<Cfg>& rows, const FragCoord& fc,
+                       int half) const {
+    if constexpr (kEarly) return early[half];
+    else return load(source(p, base), rows, fc, half);
+  }
+
+ private:
+  __device__ static Value load(const Value* src, const TileRows<Cfg>& rows, const FragCoord& fc, int half) {
+    Value v{};
+    // (src + row_base) + row in the tile, as before this struct: src + (row_base + ...) made ptxas
+    // spill 32 bytes instead of 12 at BLOCK_M 64, fast_math=False (H7168-I3072-K1-E1).
+    if (rows.valid(fc, half)) v = __ldcg(src + rows.row_base + fc.r0 + 8 * half);
+    return v;
+  }
+};
+
 // Fast L1 at BLOCK_M 64 and 128 (mma.cuh mma_tile): a warpgroup's half h holds m64n128
 // accumulators (acc + 64h) of pool rows row0 + r0 and row0 + r0 + 8, weight rows in 8-wide
 // chunks that alternate gate (even chunk 2j) and up (odd chunk 2j + 1) of output
@@ -59,16 +119,13 @@ __device__ __forceinline__ float quad_max(float v) {
 // The act values overwrite the gate slots of acc.
 template <class Cfg>
 __device__ __forceinline__ void l1_epilogue(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
-                                            const Tile& t, int wg, const FragCoord& fc, float* acc,
+                                            const Tile& t, int wg, const FragCoord& fc,
+                                            const EpilogueRows<Cfg, false>& weights, float* acc,
                                             float* amax_exchange, int parity) {
   constexpr int kHalves = Cfg::kWgHalves;
-  const int row_base = tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM + Cfg::wg_first_row(wg);
-  const int valid_rows = tables.exp_count[t.expert] - t.m_block * Cfg::kBlockM - Cfg::wg_first_row(wg);
-  const bool valid[2] = {fc.r0 < valid_rows, fc.r0 + 8 < valid_rows};
-  const float* pool_weight = reinterpret_cast<const float*>(base + p.off.pool_weight);
-  float w[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) w[half] = valid[half] ? __ldcg(pool_weight + row_base + fc.r0 + 8 * half) : 0.f;
+  const TileRows<Cfg> rows = TileRows<Cfg>::of(tables, t, wg);
+  const bool valid[2] = {rows.valid(fc, 0), rows.valid(fc, 1)};
+  const float w[2] = {weights.row(p, base, rows, fc, 0), weights.row(p, base, rows, fc, 1)};
   const float clamp = p.activation_clamp;
 
   // acc[64h + 8j + i], i < 4: output pair j of half h (gate chunk 2j; the up chunk 2j + 1 is
@@ -102,7 +159,7 @@ __device__ __forceinline__ void l1_epilogue(const KernelParams& p, uint8_t* base
   for (int half = 0; half < 2; ++half) {
     if (!valid[half]) continue;
     const float scale = fmaxf(amax[half], kScaleEps) / kFp8Max;
-    const int row = row_base + fc.r0 + 8 * half;
+    const int row = rows.row(fc, half);
 #pragma unroll
     for (int h = 0; h < kHalves; ++h) {
       uint8_t* out = act_out + (int64_t)row * Cfg::kInter + t.n_block * 128 + 64 * Cfg::wg_weight_block(wg, h) + 2 * fc.q;
@@ -145,16 +202,13 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
 // tile, b = Cfg::wg_weight_block(wg, h).
 template <class Cfg>
 __device__ __forceinline__ void l2_epilogue(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
-                                            const Tile& t, int wg, const FragCoord& fc, const float* acc) {
-  const int row_base = tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM + Cfg::wg_first_row(wg);
-  const int valid_rows = tables.exp_count[t.expert] - t.m_block * Cfg::kBlockM - Cfg::wg_first_row(wg);
-  const int2* pool_src = reinterpret_cast<const int2*>(base + p.off.pool_src);
+                                            const Tile& t, int wg, const FragCoord& fc,
+                                            const EpilogueRows<Cfg, true>& dests, const float* acc) {
+  const TileRows<Cfg> rows = TileRows<Cfg>::of(tables, t, wg);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int r = fc.r0 + 8 * half;
-    const bool valid = r < valid_rows;  // uniform over the quad (one row)
-    int2 src = make_int2(0, 0);
-    if (valid) src = __ldcg(pool_src + row_base + r);  // (source rank, token * K + slot)
+    const bool valid = rows.valid(fc, half);              // uniform over the quad (one row)
+    const int2 src = dests.row(p, base, rows, fc, half);  // (source rank, token * K + slot)
     __nv_bfloat16* row = reinterpret_cast<__nv_bfloat16*>(p.peer_base[src.x] + p.off.combine) +
                          (int64_t)src.y * Cfg::kHidden;
 #pragma unroll

@@ -14,8 +14,10 @@
 //                    swizzle), walking v3's L1 tiles (expert, n-block, m-block) over a v3-sized
 //                    expert set in HBM;
 //   rows128/...      mma_tile with 128-row batches in one part, each waited for in full
-//                    (MmaBatching specialised below): the batching that made L2 15% faster in
-//                    round 12 and L1 10% slower.
+//                    (MmaBatching specialised below), as m64n128k32 WGMMAs: the batching that
+//                    made L2 15% faster in round 12 and L1 10% slower;
+//   rows128n64/...   the same batches as two m64n64k32 WGMMAs per K step (fast numerics' L2 at
+//                    BLOCK_M 128).
 // Per variant: cycles per k-block (one 128 x 256 x 128 step of the CTA's tile; 1024 at the tensor
 // peak with both warpgroups, 512 per warpgroup), the share of the tensor pipe that is, TFLOP/s,
 // and the SM clock the run saw. The served rows are comparable with tools/tile_timeline.py's.
@@ -38,18 +40,24 @@ using namespace megamoe;
 // v3 (H 7168, I 2048, top-8, 32 local experts), BLOCK_M 128, 4 stages, fast numerics: the
 // variant the heuristics pick for v3 prefill (configs/H200.json).
 using V3L1 = KernelConfig<7168, 2048, 8, 32, 1, 128, 4, true, false>;
-struct V3L1Rows128 : V3L1 {};
+template <int kOpRows_>
+struct V3L1Rows128 : V3L1 {
+  static constexpr int kOpRows = kOpRows_;
+};
 
 namespace megamoe {
-template <>
-struct MmaBatching<V3L1Rows128> {
+template <int kOpRows_, bool kIsL2>
+struct MmaBatching<V3L1Rows128<kOpRows_>, kIsL2> {
   static constexpr bool kPipelined = false;
   static constexpr int kBatchRows = 128;
   static constexpr int kBatches = V3L1::kWgHalves * V3L1::kWgN / kBatchRows;
   static constexpr int kParts = 1;
   static constexpr int kPartFloats = kBatchRows / 2;
   static constexpr bool kCarryAcrossKBlocks = false;
-  using Op = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+  static constexpr int kOpRows = kOpRows_;
+  static constexpr int kOpsPerBatch = kBatchRows / kOpRows;
+  using Op = std::conditional_t<kOpRows == 64, cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>,
+                                cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>>;
 };
 }  // namespace megamoe
 
@@ -147,7 +155,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1) served(const __grid_const
         uint32_t full_wait = 0;
         const long long start = clock64();
         for (int i = 0; i < a.tiles; ++i) {
-          if (!mma_tile<Cfg, kKBlocks>(a.p, sv, full, empty, ps, wg, fc, a.sfa, acc, weight_scales, full_wait))
+          if (!mma_tile<Cfg, kKBlocks, false>(a.p, sv, full, empty, ps, wg, fc, a.sfa, acc, weight_scales, full_wait))
             return false;
 #pragma unroll
           for (int j = 0; j < Cfg::kAccFloats; ++j) keep += acc[j];
@@ -331,14 +339,16 @@ int main(int argc, char** argv) {
       {"served/arrive", served<V3L1, Producer::kArrive>, 2},
       {"served/bulk", served<V3L1, Producer::kBulk>, 2},
       {"served/tma", served<V3L1, Producer::kTma>, 2},
-      {"rows128/arrive", served<V3L1Rows128, Producer::kArrive>, 2},
-      {"rows128/bulk", served<V3L1Rows128, Producer::kBulk>, 2},
-      {"rows128/tma", served<V3L1Rows128, Producer::kTma>, 2},
+      {"rows128/arrive", served<V3L1Rows128<128>, Producer::kArrive>, 2},
+      {"rows128/bulk", served<V3L1Rows128<128>, Producer::kBulk>, 2},
+      {"rows128/tma", served<V3L1Rows128<128>, Producer::kTma>, 2},
+      {"rows128n64/arrive", served<V3L1Rows128<64>, Producer::kArrive>, 2},
+      {"rows128n64/tma", served<V3L1Rows128<64>, Producer::kTma>, 2},
   };
   cudaEvent_t begin, end;
   CHECK(cudaEventCreate(&begin));
   CHECK(cudaEventCreate(&end));
-  std::printf("%-16s %12s %10s %10s %8s\n", "variant", "cycles/kblk", "pipe", "TFLOP/s", "GHz");
+  std::printf("%-18s %12s %10s %10s %8s\n", "variant", "cycles/kblk", "pipe", "TFLOP/s", "GHz");
   std::vector<long long> cyc(num_sms);
   for (const Variant& v : variants) {
     CHECK(cudaFuncSetAttribute(v.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemLaunch));
@@ -369,7 +379,7 @@ int main(int argc, char** argv) {
     const double kblocks = static_cast<double>(tiles) * kKBlocks;
     const double per_kblock = loop_cycles / kblocks;
     const double flop = 2.0 * num_sms * kblocks * (64.0 * v.math_warpgroups) * V3L1::kBlockN * V3L1::kBlockK;
-    std::printf("%-16s %12.0f %9.1f%% %10.0f %8.2f\n", v.name, per_kblock, 100.0 * 512 * v.math_warpgroups / per_kblock,
+    std::printf("%-18s %12.0f %9.1f%% %10.0f %8.2f\n", v.name, per_kblock, 100.0 * 512 * v.math_warpgroups / per_kblock,
                 flop / (ms * 1e-3) / 1e12, loop_cycles / (ms * 1e6));
   }
   return 0;
