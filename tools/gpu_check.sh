@@ -11,9 +11,9 @@
 #      per SASS instruction (ncu_source.csv.gz: which instruction each warp waited at, and why).
 #      MICROBENCH=1 runs tools/microbench/mainloop.cu (the served main loop alone, under producers
 #      of decreasing realism, beside the bare WGMMA stream; MICROBENCH_BIN: a binary built off the
-#      GPU, else it builds here; MICROBENCH_ARGS: tiles per CTA). SANITIZER=1 adds
-#      compute-sanitizer memcheck and racecheck of every BLOCK_M tier on a small shape, in each
-#      numerics mode; SANITIZER_SMS=N runs them on an N-CTA grid (MEGAMOE_NUM_SMS: fewer CTAs
+#      GPU, else it builds here; MICROBENCH_ARGS: tiles per CTA; each variant in its own process).
+#      SANITIZER=1 adds compute-sanitizer memcheck and racecheck of every BLOCK_M tier on a small
+#      shape, in each numerics mode; SANITIZER_SMS=N runs them on an N-CTA grid (MEGAMOE_NUM_SMS: fewer CTAs
 #      spinning on flags under the tools; racecheck at BLOCK_M 128 did not end in 225 s on all
 #      132, results round 12). PRECOMPILE=1 first compiles (all CPUs) whatever the tests load that the
 #      carried cache lacks (python -m tests.gpu.cases). SOAK=1 adds tools/soak.py (SOAK_ARGS).
@@ -65,7 +65,11 @@ if [ "${MICROBENCH:-0}" != 0 ]; then
   [ -x "$bin" ] || nvcc $(python3 -c "from megamoe_plugin.jit import nvcc_flags; print(*nvcc_flags())") -I csrc \
       -I "$(python3 -c "from megamoe_plugin.jit import cutlass_include_dir; print(cutlass_include_dir())")" \
       tools/microbench/mainloop.cu -o "$bin" > "$OUT/microbench_build.log" 2>&1
-  timeout "${MICROBENCH_TIMEOUT:-120}" "$bin" ${MICROBENCH_ARGS:-} 2>&1 | tee "$OUT/mainloop.txt" || rc=1
+  # One process per variant, each under its own timeout: a hang names its variant, and the rest still run.
+  "$bin" 8 --list | while read -r variant; do
+    timeout "${MICROBENCH_TIMEOUT:-30}" "$bin" ${MICROBENCH_ARGS:-8} "$variant" 2>&1 || echo "$variant: exit $?"
+  done | awk '!seen[$0]++' | tee "$OUT/mainloop.txt"  # the device and column lines once
+  if grep -q ": exit \|did not finish\|timed out" "$OUT/mainloop.txt"; then rc=1; fi
 fi
 if [ "${SANITIZER:-0}" != 0 ]; then
   for numerics in ${SANITIZER_NUMERICS:-fast exact}; do
