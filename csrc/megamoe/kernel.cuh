@@ -127,6 +127,17 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
 // run (barriers, dispatch, combine) is compiled at that count, and ptxas allocates each role's
 // region at the budget set inside its own branch. A role that timed out traps only once its
 // registers are back (pipeline.cuh gemm_wait says why).
+//
+// setmaxnreg.inc takes registers from the CTA's pool whenever the pool has enough, in no promised
+// order. So warpgroup 0 takes its registers back only after both math warpgroups hold theirs
+// (named barrier kRegisterHandoverBarrierId): a producer with no tiles in the phase (a CTA past the
+// last tile, e.g. on a rank that received few rows) would otherwise race the math warpgroups for
+// the registers it had just released, and a math warpgroup that lost would wait for them forever.
+// The microbenchmark's stream variants, whose producers do nothing, hung this way (results round
+// 14). PTX also asks a warpgroup's warps to synchronize between two setmaxnreg; this barrier is
+// that for warpgroup 0, whose elected lane runs far longer than warps 1-3.
+constexpr int kRegisterHandoverBarrierId = 2;  // sync.cuh lists the barriers
+
 template <class Cfg, class ProducerWarpgroup, class Math>
 __device__ __forceinline__ void gemm_roles(ProducerWarpgroup&& producer_wg, Math&& math) {
   bool ok;
@@ -134,9 +145,15 @@ __device__ __forceinline__ void gemm_roles(ProducerWarpgroup&& producer_wg, Math
     if constexpr (Cfg::kRebalanceRegisters) cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegisters>();
     ok = producer_wg();
     __syncwarp();  // setmaxnreg is warp-aligned: the elected producer lane rejoins its warp first
-    if constexpr (Cfg::kRebalanceRegisters) cutlass::arch::warpgroup_reg_alloc<Cfg::kEntryRegisters>();
+    if constexpr (Cfg::kRebalanceRegisters) {
+      named_barrier_sync(kRegisterHandoverBarrierId, Cfg::kNumThreads);
+      cutlass::arch::warpgroup_reg_alloc<Cfg::kEntryRegisters>();
+    }
   } else {
-    if constexpr (Cfg::kRebalanceRegisters) cutlass::arch::warpgroup_reg_alloc<Cfg::kMathRegisters>();
+    if constexpr (Cfg::kRebalanceRegisters) {
+      cutlass::arch::warpgroup_reg_alloc<Cfg::kMathRegisters>();
+      named_barrier_arrive(kRegisterHandoverBarrierId, Cfg::kNumThreads);
+    }
     ok = math();
     if constexpr (Cfg::kRebalanceRegisters) cutlass::arch::warpgroup_reg_dealloc<Cfg::kEntryRegisters>();
   }
@@ -145,14 +162,19 @@ __device__ __forceinline__ void gemm_roles(ProducerWarpgroup&& producer_wg, Math
   }
 }
 
+// The dynamic shared memory, 1024-byte aligned as 128B-swizzled TMA tiles need; the launch adds
+// 1 KiB of slack for it (Cfg::kSmemBytes does not include it).
+__device__ __forceinline__ uint8_t* aligned_dynamic_smem() {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  return smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
+}
+
 // The kernel body; the JIT-generated translation unit wraps it in an extern "C"
 // __global__ entry with __launch_bounds__(Cfg::kNumThreads, 1) (see jit.py).
 template <class Cfg>
 __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   static_assert(Cfg::kNumThreads == Role::kProducerWarpgroupThreads + Cfg::kNumMathThreads, "roles.cuh");
-  // 128B-swizzled TMA tiles need 1024-byte alignment; the launch adds 1 KiB of slack.
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
+  uint8_t* smem = aligned_dynamic_smem();
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kSmemBarriers);
   uint64_t* empty = full + Cfg::kNumStages;
   uint64_t* tok_full = empty + Cfg::kNumStages;

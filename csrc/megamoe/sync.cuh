@@ -7,6 +7,8 @@
 //   rank_sync          all CTAs of all ranks (grid_sync + one CTA signalling every peer)
 //   mbarrier full/empty TMA pipeline, see pipeline.cuh
 //   named barrier 1    the two math warpgroups' epilogue exchange (epilogue.cuh)
+//   named barrier 2    the register hand-over at the start of a rebalanced GEMM phase
+//                      (kernel.cuh gemm_roles)
 #pragma once
 
 #include <cuda/ptx>
@@ -182,6 +184,11 @@ __device__ __forceinline__ bool mbar_poll(const KernelParams& p, uint64_t* bar, 
 
 __device__ __forceinline__ void named_barrier_sync(int id, int num_threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+}
+
+// Counts this thread towards barrier `id`'s num_threads without waiting for the others.
+__device__ __forceinline__ void named_barrier_arrive(int id, int num_threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
 
 }  // namespace megamoe

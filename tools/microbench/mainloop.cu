@@ -89,11 +89,6 @@ struct BenchArgs {
   int tiles;                  // per CTA
 };
 
-__device__ uint8_t* aligned_smem() {
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  return smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
-}
-
 // Stages that no producer writes (stream, served/arrive) hold this CTA's bulk_src bytes, finite
 // FP8 values, as loaded ones would.
 template <class Cfg>
@@ -106,7 +101,7 @@ __device__ void fill_stages(const StageView<Cfg>& sv, const BenchArgs& a) {
 
 template <class Cfg, Producer kProducer>
 __global__ void __launch_bounds__(Cfg::kNumThreads, 1) served(const __grid_constant__ BenchArgs a) {
-  uint8_t* smem = aligned_smem();
+  uint8_t* smem = aligned_dynamic_smem();
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kSmemBarriers);
   uint64_t* empty = full + Cfg::kNumStages;
   const StageView<Cfg> sv{smem + Cfg::kSmemStages, nullptr, nullptr};
@@ -185,7 +180,7 @@ template <> struct StreamOp<256> { using Op = cute::SM90::GMMA::MMA_64x256x32_F3
 template <int kN, int kWgs>
 __global__ void __launch_bounds__(V3L1::kNumThreads, 1) stream(const __grid_constant__ BenchArgs a) {
   using Cfg = V3L1;
-  uint8_t* smem = aligned_smem();
+  uint8_t* smem = aligned_dynamic_smem();
   const StageView<Cfg> sv{smem + Cfg::kSmemStages, nullptr, nullptr};
   fill_stages(sv, a);
   __syncthreads();
