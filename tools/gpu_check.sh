@@ -7,8 +7,11 @@
 #      (TIMELINE_ARGS: where each GEMM tile's time goes), NCU=1 adds an Nsight Compute report of
 #      one config (NCU_ARGS, default "--configs v4flash --tokens 1"), per phase, with the
 #      shared-memory tables (wavefronts, bank conflicts) and the pipe utilization (tensor);
-#      for L1 at BLOCK_M 64: NCU_ARGS="--configs v4flash --tokens 8192"; it also samples warp stalls
-#      per SASS instruction (ncu_source.csv.gz: which instruction each warp waited at, and why).
+#      it also samples warp stalls per SASS instruction (ncu_source.csv.gz: which instruction each
+#      warp waited at, and why). Those per-instruction counts replay the kernel instrumented, 100x
+#      slower or more: v3 at 8192 tokens did not end its L1 launch in 480 s (round 14), so profile
+#      2048 tokens or fewer (NCU_ARGS="--configs v3 --tokens 2048" puts L1 and L2 at BLOCK_M 128);
+#      the kernel's waits get NCU_KERNEL_TIMEOUT_S (600) instead of MEGAMOE_TIMEOUT_S.
 #      MICROBENCH=1 runs tools/microbench/mainloop.cu (the served main loop alone, under producers
 #      of decreasing realism, beside the bare WGMMA stream; MICROBENCH_BIN: a binary built off the
 #      GPU, else it builds here; MICROBENCH_ARGS: tiles per CTA; each variant in its own process).
@@ -52,7 +55,7 @@ if [ "${TIMELINE:-0}" != 0 ]; then
   timeout "${TIMELINE_TIMEOUT:-300}" python3 tools/tile_timeline.py ${TIMELINE_ARGS:-} 2>&1 | tee "$OUT/tile_timeline.txt"
 fi
 if [ "${NCU:-0}" != 0 ]; then
-  timeout "${NCU_TIMEOUT:-300}" ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+  MEGAMOE_TIMEOUT_S="${NCU_KERNEL_TIMEOUT_S:-600}" timeout "${NCU_TIMEOUT:-300}" ncu --profile-from-start off --clock-control none --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis \
       --section WarpStateStats --section SchedulerStats --section SourceCounters -o "$OUT/profile" \
       python3 tools/phase_times.py ${NCU_ARGS:---configs v4flash --tokens 1} --iters 1 --profile > "$OUT/ncu.log" 2>&1

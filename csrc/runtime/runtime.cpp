@@ -17,6 +17,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "megamoe/params.h"
@@ -52,22 +53,25 @@ Driver& driver() {
       if (f == nullptr) throw std::runtime_error(std::string("megamoe: driver lacks ") + name);
       return f;
     };
+    // Each entry point by its driver symbol (the _v2 ones are what cuda.h's macros name).
+    auto bind = [&sym](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(sym(name));
+    };
     Driver r;
-    r.GetErrorString = reinterpret_cast<decltype(r.GetErrorString)>(sym("cuGetErrorString"));
-    r.ModuleLoad = reinterpret_cast<decltype(r.ModuleLoad)>(sym("cuModuleLoad"));
-    r.ModuleGetFunction = reinterpret_cast<decltype(r.ModuleGetFunction)>(sym("cuModuleGetFunction"));
-    r.FuncSetAttribute = reinterpret_cast<decltype(r.FuncSetAttribute)>(sym("cuFuncSetAttribute"));
-    r.LaunchKernel = reinterpret_cast<decltype(r.LaunchKernel)>(sym("cuLaunchKernel"));
-    r.TensorMapEncodeTiled = reinterpret_cast<decltype(r.TensorMapEncodeTiled)>(sym("cuTensorMapEncodeTiled"));
-    r.MemHostAlloc = reinterpret_cast<decltype(r.MemHostAlloc)>(sym("cuMemHostAlloc"));
-    r.MemHostGetDevicePointer =
-        reinterpret_cast<decltype(r.MemHostGetDevicePointer)>(sym("cuMemHostGetDevicePointer_v2"));
-    r.CtxGetCurrent = reinterpret_cast<decltype(r.CtxGetCurrent)>(sym("cuCtxGetCurrent"));
-    r.MemAlloc = reinterpret_cast<decltype(r.MemAlloc)>(sym("cuMemAlloc_v2"));
-    r.MemFree = reinterpret_cast<decltype(r.MemFree)>(sym("cuMemFree_v2"));
-    r.MemcpyHtoD = reinterpret_cast<decltype(r.MemcpyHtoD)>(sym("cuMemcpyHtoD_v2"));
-    r.CtxPushCurrent = reinterpret_cast<decltype(r.CtxPushCurrent)>(sym("cuCtxPushCurrent_v2"));
-    r.CtxPopCurrent = reinterpret_cast<decltype(r.CtxPopCurrent)>(sym("cuCtxPopCurrent_v2"));
+    bind(r.GetErrorString, "cuGetErrorString");
+    bind(r.ModuleLoad, "cuModuleLoad");
+    bind(r.ModuleGetFunction, "cuModuleGetFunction");
+    bind(r.FuncSetAttribute, "cuFuncSetAttribute");
+    bind(r.LaunchKernel, "cuLaunchKernel");
+    bind(r.TensorMapEncodeTiled, "cuTensorMapEncodeTiled");
+    bind(r.MemHostAlloc, "cuMemHostAlloc");
+    bind(r.MemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2");
+    bind(r.CtxGetCurrent, "cuCtxGetCurrent");
+    bind(r.MemAlloc, "cuMemAlloc_v2");
+    bind(r.MemFree, "cuMemFree_v2");
+    bind(r.MemcpyHtoD, "cuMemcpyHtoD_v2");
+    bind(r.CtxPushCurrent, "cuCtxPushCurrent_v2");
+    bind(r.CtxPopCurrent, "cuCtxPopCurrent_v2");
     return r;
   }();
   return d;
