@@ -5,7 +5,7 @@ These functions decide a `KernelConfig` when no tuned table entry exists
 (`megamoe_plugin.tune`) its candidates. They are plain Python (no torch), so the op
 layer, the JIT cache key and the table tooling can use them anywhere.
 
-The shared-memory model mirrors the kernel (csrc/megamoe/config.cuh; docs/design.md): one
+The shared-memory model mirrors the kernel (csrc/megamoe/smem.cuh; docs/design.md): one
 persistent CTA per SM with a TMA pipeline whose stage holds an A tile (BLOCK_M x BLOCK_K
 fp8) and a B tile (BLOCK_N x BLOCK_K fp8), each stage padded to 1024 bytes (the 128-byte
 TMA swizzle needs 1024-byte aligned tiles), plus a fixed part (mbarriers, the amax
@@ -140,7 +140,7 @@ def _align(x: int, a: int) -> int:
     return -(-x // a) * a
 
 
-# The two functions below mirror csrc/megamoe/config.cuh (KernelConfig::kSmemBytes);
+# The two functions below mirror csrc/megamoe/smem.cuh (sizeof(SharedStorage));
 # the JIT-generated source static_asserts that both agree.
 def _stage_bytes(block_m: int) -> int:
     raw = block_m * BLOCK_K * _FP8_BYTES + BLOCK_N * BLOCK_K * _FP8_BYTES

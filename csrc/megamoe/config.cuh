@@ -71,26 +71,13 @@ struct KernelConfig {
   static constexpr int kNumWarps = kNumThreads / 32;
   static constexpr int kNumMathThreads = 256;
 
-  // Shared memory (bytes from a 1024-aligned base).
+  // Shared memory sizes; the layout is smem.cuh SharedStorage.
   static constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
-  static constexpr int kSmemBarriers = 0;  // full[kNumStages], empty[kNumStages], L1 tok_full[2], tok_empty[2]
-  // L1 requant amax exchange, float [2 parities][8 math warps][BLOCK_M]
-  static constexpr int kSmemAmax = 1024;
-  static constexpr int kAmaxSlots = kNumMathThreads / 32;
-  static constexpr int kSmemTables = kSmemAmax + 2 * kAmaxSlots * kBlockM * 4;
-  // int32 exp_start[E_l], exp_count[E_l], mblk_prefix[E_l + 1]
-  // Exact L1 only: float [2 k-block parities][BLOCK_M], the L1 k-block's token scales
-  static constexpr int kSmemTokenScales = kSmemTables + (3 * kNumLocalExperts + 1) * 4;
-  static constexpr int kSmemStaging = align_up(kSmemTokenScales + (kExactL1 ? 2 * kBlockM * 4 : 0), 1024);
-  // Exact L1 only: the stage's token tile in FP16 (BLOCK_M x 128 K, two 64-wide K atoms of
-  // [BLOCK_M][128 B], 128B swizzle), the B operand of both math warpgroups' WGMMAs, one per
-  // k-block parity.
-  static constexpr int kL1TokenBytes = kExactL1 ? kBlockM * kBlockK * 2 : 0;
-  static constexpr int kSmemStages = kSmemStaging + 2 * kL1TokenBytes;
+  static constexpr int kAmaxSlots = kNumMathThreads / 32;  // L1 requant amax exchange, per math warp
+  static constexpr int kL1TokenBytes = kExactL1 ? kBlockM * kBlockK * 2 : 0;  // exact L1's FP16 token tile
   static constexpr int kStageA = kBlockM * kBlockK;
   static constexpr int kStageB = kBlockN * kBlockK;
   static constexpr int kStageBytes = align_up(kStageA + kStageB, 1024);
-  static constexpr int kSmemBytes = kSmemStages + kNumStages * kStageBytes;
   // Dispatch-phase scratch aliases the stage area: first the per-CTA expert histogram
   // and the send-side prefix over all experts, then per (local expert, source rank)
   // counts and offsets; each plus 32 ints of scan scratch.
@@ -107,8 +94,6 @@ struct KernelConfig {
                 "a rebalanced tier's GEMM waits must all unwind (pipeline.cuh gemm_wait): only mma_tile's do");
   static_assert(kNumExperts % kNumRanks == 0, "E must be a multiple of R");
   static_assert(kNumStages >= 2, "need at least two pipeline stages");
-  static_assert(kScratchInts * 4 <= kNumStages * kStageBytes, "dispatch scratch does not fit");
-  static_assert(kSmemBytes <= 232448, "shared memory over the SM90 per-block limit");
 };
 
 }  // namespace megamoe

@@ -18,8 +18,8 @@ namespace megamoe {
 template <class Cfg>
 struct StageView {
   uint8_t* stages;
-  uint8_t* staging;  // L1 token tiles in FP16, [2 k-block parities] (Cfg::kSmemStaging)
-  float* l1_token_scales;  // [2 k-block parities][BLOCK_M]: their token scales (Cfg::kSmemTokenScales)
+  uint8_t* staging;  // L1 token tiles in FP16, [2 k-block parities] (SharedStorage::l1_tokens)
+  float* l1_token_scales;  // [2 k-block parities][BLOCK_M]: their token scales (SharedStorage::l1_token_scales)
   __device__ uint8_t* a(int s) const { return stages + s * Cfg::kStageBytes; }
   __device__ uint8_t* b(int s) const { return a(s) + Cfg::kStageA; }
 };

@@ -84,8 +84,8 @@ class KernelVariant:
             f"using Cfg = {cfg};\n"
             f'extern "C" __global__ void __launch_bounds__(Cfg::kNumThreads, 1)\n'
             f"{KERNEL_NAME}(const __grid_constant__ megamoe::KernelParams p) {{ megamoe::mega_moe<Cfg>(p); }}\n"
-            f"static_assert(Cfg::kSmemBytes + 1024 == {smem_bytes_of(self)}, "
-            f"\"heuristics.smem_bytes disagrees with config.cuh\");\n"
+            f"static_assert(megamoe::kSmemBytes<Cfg> + 1024 == {smem_bytes_of(self)}, "
+            f"\"heuristics.smem_bytes disagrees with smem.cuh SharedStorage\");\n"
             + signal_asserts + timeline_asserts
         )
 
@@ -252,7 +252,7 @@ class CompiledKernel:
 
 def smem_bytes_of(variant: KernelVariant) -> int:
     """Dynamic shared memory to launch with (heuristics.smem_bytes; the generated source
-    static_asserts that it equals the kernel's own KernelConfig::kSmemBytes + 1 KiB slack)."""
+    static_asserts that it equals sizeof(SharedStorage) (csrc/megamoe/smem.cuh) + 1 KiB slack)."""
     from ..heuristics import smem_bytes
 
     return smem_bytes(variant.block_m, variant.num_stages, variant.num_experts // variant.num_ranks, variant.numerics)

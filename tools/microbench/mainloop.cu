@@ -74,7 +74,7 @@ constexpr int kWeightRowsPerExpert = 2 * V3L1::kInter;
 constexpr int kNBlocks = V3L1::kL1NumNBlocks;     // 16
 constexpr int kExperts = V3L1::kNumLocalExperts;  // 32
 constexpr int kPoolRows = kExperts * kMBlocksPerExpert * V3L1::kBlockM;
-constexpr int kSmemLaunch = V3L1::kSmemBytes + 1024;  // 1 KiB of slack for the 1024-byte alignment
+constexpr int kSmemLaunch = kSmemBytes<V3L1> + 1024;  // 1 KiB of slack for the 1024-byte alignment
 
 enum class Producer { kArrive, kBulk, kTma };
 
@@ -101,10 +101,10 @@ __device__ void fill_stages(const StageView<Cfg>& sv, const BenchArgs& a) {
 
 template <class Cfg, Producer kProducer>
 __global__ void __launch_bounds__(Cfg::kNumThreads, 1) served(const __grid_constant__ BenchArgs a) {
-  uint8_t* smem = aligned_dynamic_smem();
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kSmemBarriers);
-  uint64_t* empty = full + Cfg::kNumStages;
-  const StageView<Cfg> sv{smem + Cfg::kSmemStages, nullptr, nullptr};
+  uint8_t* smem = aligned_dynamic_smem();  // as the kernel addresses its SharedStorage
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + offsetof(SharedStorage<Cfg>, full));
+  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + offsetof(SharedStorage<Cfg>, empty));
+  const StageView<Cfg> sv{smem + offsetof(SharedStorage<Cfg>, stages), nullptr, nullptr};
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kNumStages; ++s) {
       cuda::ptx::mbarrier_init(&full[s], 1);
@@ -180,8 +180,7 @@ template <> struct StreamOp<256> { using Op = cute::SM90::GMMA::MMA_64x256x32_F3
 template <int kN, int kWgs>
 __global__ void __launch_bounds__(V3L1::kNumThreads, 1) stream(const __grid_constant__ BenchArgs a) {
   using Cfg = V3L1;
-  uint8_t* smem = aligned_dynamic_smem();
-  const StageView<Cfg> sv{smem + Cfg::kSmemStages, nullptr, nullptr};
+  const StageView<Cfg> sv{aligned_dynamic_smem() + offsetof(SharedStorage<Cfg>, stages), nullptr, nullptr};
   fill_stages(sv, a);
   __syncthreads();
   gemm_roles<Cfg>(

@@ -1,0 +1,45 @@
+// The CTA's shared memory, as one struct. Python's heuristics.smem_bytes computes the same size to
+// choose the pipeline depth before anything compiles; the JIT's generated translation unit
+// static_asserts that the two agree (megamoe_plugin/jit KernelVariant.source), so neither side can
+// drift. The kernel places it at the 1024-aligned base of the dynamic shared memory
+// (kernel.cuh aligned_dynamic_smem); the launch adds 1 KiB for that alignment.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "config.cuh"
+
+namespace megamoe {
+
+template <class Cfg>
+struct SharedStorage {
+  // mbarriers: the TMA pipeline's (pipeline.cuh) and exact L1's two FP16 token buffers'
+  // (exact_l1.cuh), within the first 1024 bytes.
+  uint64_t full[Cfg::kNumStages];
+  uint64_t empty[Cfg::kNumStages];
+  uint64_t tok_full[2];
+  uint64_t tok_empty[2];
+  // L1 requant amax exchange across the math warps, [k-block parity][math warp][row] (epilogue.cuh).
+  alignas(1024) float amax_exchange[2][Cfg::kAmaxSlots][Cfg::kBlockM];
+  // The local experts' pool layout (dispatch.cuh): exp_start[E_l], exp_count[E_l], mblk_prefix[E_l + 1].
+  int tables[3 * Cfg::kNumLocalExperts + 1];
+  // Exact L1 only (zero-length in fast numerics): the k-block's token scales and its token tile in
+  // FP16 (BLOCK_M x 128 K, two 64-wide K atoms of [BLOCK_M][128 B], 128B swizzle), the B operand of
+  // both math warpgroups' WGMMAs, one per k-block parity.
+  float l1_token_scales[2][Cfg::kExactL1 ? Cfg::kBlockM : 0];
+  alignas(1024) uint8_t l1_tokens[2][Cfg::kL1TokenBytes];
+  // The pipeline's stages, each an A tile (BLOCK_M x 128 K) then a B tile (256 x 128 K), 1024-aligned
+  // for the 128B swizzle. The dispatch phases alias them as int scratch (Cfg::kScratchInts).
+  alignas(1024) uint8_t stages[Cfg::kNumStages][Cfg::kStageBytes];
+
+  static_assert(sizeof(full) + sizeof(empty) + sizeof(tok_full) + sizeof(tok_empty) <= 1024,
+                "the barriers fit before the amax exchange");
+  static_assert(Cfg::kScratchInts * 4 <= sizeof(stages), "dispatch scratch does not fit");
+};
+
+// Bytes of shared memory a variant uses, without the 1 KiB of alignment slack.
+template <class Cfg>
+constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage<Cfg>));
+
+}  // namespace megamoe
