@@ -16,9 +16,9 @@
 #      of decreasing realism, beside the bare WGMMA stream; MICROBENCH_BIN: a binary built off the
 #      GPU, else it builds here; MICROBENCH_ARGS: tiles per CTA; each variant in its own process).
 #      SANITIZER=1 adds compute-sanitizer memcheck and racecheck of every BLOCK_M tier on a small
-#      shape, in each numerics mode; SANITIZER_SMS=N runs them on an N-CTA grid (MEGAMOE_NUM_SMS: fewer CTAs
-#      spinning on flags under the tools; racecheck at BLOCK_M 128 did not end in 225 s on all
-#      132, results round 12). PRECOMPILE=1 first compiles (all CPUs) whatever the tests load that the
+#      shape, in each numerics mode; SANITIZER_SMS=N runs them on an N-CTA grid (MEGAMOE_NUM_SMS:
+#      fewer CTAs spinning on flags under the tools; racecheck at BLOCK_M 128 did not end in 225 s
+#      on all 132, results round 12). PRECOMPILE=1 first compiles (all CPUs) whatever the tests load that the
 #      carried cache lacks (python -m tests.gpu.cases). SOAK=1 adds tools/soak.py (SOAK_ARGS).
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -55,7 +55,8 @@ if [ "${TIMELINE:-0}" != 0 ]; then
   timeout "${TIMELINE_TIMEOUT:-300}" python3 tools/tile_timeline.py ${TIMELINE_ARGS:-} 2>&1 | tee "$OUT/tile_timeline.txt"
 fi
 if [ "${NCU:-0}" != 0 ]; then
-  MEGAMOE_TIMEOUT_S="${NCU_KERNEL_TIMEOUT_S:-600}" timeout "${NCU_TIMEOUT:-300}" ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+  MEGAMOE_TIMEOUT_S="${NCU_KERNEL_TIMEOUT_S:-600}" timeout "${NCU_TIMEOUT:-300}" \
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis \
       --section WarpStateStats --section SchedulerStats --section SourceCounters -o "$OUT/profile" \
       python3 tools/phase_times.py ${NCU_ARGS:---configs v4flash --tokens 1} --iters 1 --profile > "$OUT/ncu.log" 2>&1
