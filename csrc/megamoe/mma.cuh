@@ -134,11 +134,13 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
                                          uint32_t& full_wait) {
   using B = MmaBatching<Cfg, kIsL2>;
   constexpr int kHalves = Cfg::kWgHalves, kPartFloats = B::kPartFloats;
-  // The warpgroup and (below) the stage, broadcast from lane 0: ptxas then knows they are
-  // warp-uniform and keeps the descriptors in uniform registers (v3 BLOCK_M 128: L1's loop 35 -> 4
-  // R2UR, 354 -> 313 instructions per k-block; L2's 64 -> 1, 368 -> 297). Only here: doing it in
-  // Role::math_warpgroup() for every phase made the swap-AB tiers 2% slower (results round 15).
-  const int wg = warp_uniform(math_wg);
+  // At BLOCK_M 128 the warpgroup and (below) the stage are broadcast from lane 0: ptxas then knows
+  // they are warp-uniform and keeps the descriptors in uniform registers (v3: L1's loop 35 -> 4
+  // R2UR, 354 -> 313 instructions per k-block, 1545 -> 1435 cycles; L2's 64 -> 1, 366 -> 298,
+  // 1665 -> 1614; results round 16). At BLOCK_M 64 the same broadcast made v3 at 128 tokens 2.5%
+  // slower (round 16; weight-bound there), so it keeps the per-thread values.
+  constexpr bool kUniformIndices = Cfg::kBlockM == 128;
+  const int wg = kUniformIndices ? warp_uniform(math_wg) : math_wg;
   const int row0 = Cfg::wg_first_row(wg);
   // The promotion scales of one k-block: the rows' (sa) and the halves' weight blocks (sb).
   struct KBlockScales {
@@ -193,7 +195,7 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
       cute::warpgroup_wait<0>();
       return false;
     }
-    const int stage = warp_uniform(ps.stage);
+    const int stage = kUniformIndices ? warp_uniform(ps.stage) : ps.stage;
     const uint64_t desc_a = make_smem_desc(sv.a(stage) + row0 * Cfg::kBlockK);
 #pragma unroll
     for (int b = 0; b < B::kBatches; ++b) {
