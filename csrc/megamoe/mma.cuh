@@ -90,17 +90,16 @@ __device__ __forceinline__ void for_each_fragment_col(F&& f) {
 //   32-float parts; a batch's promotion waits only for that batch (wait_group 1), so the
 //   warpgroup keeps one batch queued on the tensor cores while it promotes the previous one,
 //   across k-blocks too. Waiting for a whole 128-row half before promoting drained the tensor
-//   pipe at every batch (docs/results round 10: v3 128 tokens 429 -> 404 us, 512 679 -> 639).
+//   pipe at every batch (docs/results round 10: v3 128 tokens 429 -> 404 us, 512 679 -> 639; at
+//   BLOCK_M 128, round 16: L1 1435 -> 1672-1734 cycles per k-block with m64n128 batches waited for,
+//   L2 1433-1494 pipelined against 1617-1750 waited for as pairs of m64n64).
 // - exact numerics: batches of 128 rows into one 64-float part, each waited for in full. Its
 //   BLOCK_M 64 L2 runs at up to 8192 tokens, where the 64-row batches' extra shared-memory reads
 //   of the token tile (read once per batch) cost more than the waits: v3 2048 tokens 3322 ->
 //   3511 us with them (round 10).
-// - fast numerics at BLOCK_M 128, L2: batches of 128 rows waited for in full, as exact numerics.
-//   With them L2 ran 1718 -> 1463 cycles per k-block (results round 12, where L1 had them too and
-//   went 1551 -> 1714, so L1 keeps the 64-row batches).
-// Fast numerics issue m64n64k32 WGMMAs only, two per 128-row batch and K step (kOpsPerBatch):
-// a kernel with m64n128 accumulators in one GEMM and m64n64 in the other had ptxas serialize
-// every WGMMA (C7511, too few registers for the WGMMA pipeline; 828 bytes spilled at v3).
+// One WGMMA per batch and K step, m64nBATCHk32: fast numerics issue only m64n64k32 (a kernel with
+// m64n128 accumulators in one GEMM and m64n64 in the other had ptxas serialize every WGMMA:
+// C7511, too few registers for the WGMMA pipeline; 828 bytes spilled at v3).
 // A 64-row batch j of half h holds columns [64j, 64j + 64) of the half, i.e. acc[64h + 32j, +32)
 // in the m64n128 layout (chunk c of the n64 fragment is chunk 8j + c of the n128 one): batch b's
 // part always lands at acc + b * kPartFloats.
@@ -111,8 +110,8 @@ __device__ __forceinline__ void for_each_fragment_col(F&& f) {
 // full stages (timeline.cuh; constant zero unless built with MEGAMOE_TIMELINE).
 template <class Cfg, bool kIsL2>
 struct MmaBatching {
-  static constexpr bool kPipelined = !Cfg::kExactL1 && !(kIsL2 && Cfg::kBlockM == 128);
-  static constexpr int kBatchRows = kPipelined ? 64 : 128;
+  static constexpr bool kPipelined = !Cfg::kExactL1;
+  static constexpr int kBatchRows = kPipelined ? 64 : 128;  // weight rows per batch: its WGMMAs' N
   static constexpr int kBatches = Cfg::kWgHalves * Cfg::kWgN / kBatchRows;  // per k-block
   static constexpr int kParts = kPipelined ? 2 : 1;
   static constexpr int kPartFloats = kBatchRows / 2;  // m64nBATCH fragment per thread
@@ -121,9 +120,7 @@ struct MmaBatching {
   // ptxas spilled around those calls (12-104 bytes at BLOCK_M 64, round 10), so those variants
   // drain each k-block.
   static constexpr bool kCarryAcrossKBlocks = kPipelined && Cfg::kFastMath;
-  static constexpr int kOpRows = Cfg::kExactL1 ? 128 : 64;  // weight rows per WGMMA (its N)
-  static constexpr int kOpsPerBatch = kBatchRows / kOpRows;
-  using Op = std::conditional_t<kOpRows == 64, cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>,
+  using Op = std::conditional_t<kBatchRows == 64, cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>,
                                 cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>>;
 };
 
@@ -207,11 +204,8 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
       cute::warpgroup_arrive();
 #pragma unroll
       for (int k = 0; k < Cfg::kBlockK / 32; ++k)  // +32 bytes along K in the 128B swizzle atom: +2 in the address field
-#pragma unroll
-        for (int o = 0; o < B::kOpsPerBatch; ++o)  // op o: weight rows + 64 o (bytes >> 4 in the address field)
-          wgmma_call<typename B::Op>(desc_a + 2 * k, desc_b + 2 * k + (o * B::kOpRows * Cfg::kBlockK >> 4),
-                                     mine + o * B::kOpRows / 2, k > 0,
-                                     std::make_integer_sequence<int, B::kOpRows / 2>{});
+        wgmma_call<typename B::Op>(desc_a + 2 * k, desc_b + 2 * k, mine, k > 0,
+                                   std::make_integer_sequence<int, kPartFloats>{});
       cute::warpgroup_commit_batch();
       if constexpr (B::kParts == 1) {
         cute::warpgroup_wait<0>();
