@@ -84,8 +84,8 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
         l2_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc);
       } else {
         const auto dests = EpilogueRows<Cfg, true>::at_tile_start(p, base, tables, t, wg, fc);
-        if (!mma_tile<Cfg, Cfg::kL2NumKBlocks, true>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales,
-                                                     clock.full_wait))
+        if (!mma_tile<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales,
+                                               clock.full_wait))
           return false;
         clock.mainloop_done();
         l2_epilogue<Cfg>(p, base, tables, t, wg, fc, dests, acc);
@@ -106,8 +106,8 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
         l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
       } else {
         const auto weights = EpilogueRows<Cfg, false>::at_tile_start(p, base, tables, t, wg, fc);
-        if (!mma_tile<Cfg, Cfg::kL1NumKBlocks, false>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales,
-                                                      clock.full_wait))
+        if (!mma_tile<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales,
+                                               clock.full_wait))
           return false;
         clock.mainloop_done();
         l1_epilogue<Cfg>(p, base, tables, t, wg, fc, weights, acc, amax_exchange, parity);

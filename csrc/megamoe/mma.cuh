@@ -86,7 +86,7 @@ __device__ __forceinline__ void for_each_fragment_col(F&& f) {
 //
 // The WGMMAs of a k-block go out in batches of kBatchRows weight rows (m64nBATCHk32 x 4 along
 // K), each into a part that is promoted once the batch is done:
-// - fast numerics (MmaBatching<Cfg, kIsL2>::kPipelined): batches of 64 rows alternating between two
+// - fast numerics (MmaBatching<Cfg>::kPipelined): batches of 64 rows alternating between two
 //   32-float parts; a batch's promotion waits only for that batch (wait_group 1), so the
 //   warpgroup keeps one batch queued on the tensor cores while it promotes the previous one,
 //   across k-blocks too. Waiting for a whole 128-row half before promoting drained the tensor
@@ -108,9 +108,11 @@ __device__ __forceinline__ void for_each_fragment_col(F&& f) {
 // at k-block kb: .x for even 8-column chunks, .y for odd ones (L1: gate, up; L2: the same).
 // False after a pipeline timeout (gemm_wait). `full_wait` gains the cycles spent waiting for
 // full stages (timeline.cuh; constant zero unless built with MEGAMOE_TIMELINE).
-template <class Cfg, bool kIsL2>
+// (The policy is a template argument so that tools/microbench/mainloop.cu can time the waited
+// 128-row form beside the served one.)
+template <class Cfg, bool kPipelinedBatches = !Cfg::kExactL1>
 struct MmaBatching {
-  static constexpr bool kPipelined = !Cfg::kExactL1;
+  static constexpr bool kPipelined = kPipelinedBatches;
   static constexpr int kBatchRows = kPipelined ? 64 : 128;  // weight rows per batch: its WGMMAs' N
   static constexpr int kBatches = Cfg::kWgHalves * Cfg::kWgN / kBatchRows;  // per k-block
   static constexpr int kParts = kPipelined ? 2 : 1;
@@ -124,12 +126,12 @@ struct MmaBatching {
                                 cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>>;
 };
 
-template <class Cfg, int kNumKBlocks, bool kIsL2, class WeightScales>
+template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                          uint64_t* empty, PipelineState& ps, int math_wg, const FragCoord& fc,
                                          const float* sfa, float* acc, WeightScales weight_scales,
                                          uint32_t& full_wait) {
-  using B = MmaBatching<Cfg, kIsL2>;
+  using B = MmaBatching<Cfg>;
   constexpr int kHalves = Cfg::kWgHalves, kPartFloats = B::kPartFloats;
   // At BLOCK_M 128 the warpgroup and (below) the stage are broadcast from lane 0: ptxas then knows
   // they are warp-uniform and keeps the descriptors in uniform registers (v3: L1's loop 35 -> 4

@@ -13,11 +13,11 @@
 //   served/tma       it loads the stages as the kernel does (pipeline.cuh tma_load_2d, 128B
 //                    swizzle), walking v3's L1 tiles (expert, n-block, m-block) over a v3-sized
 //                    expert set in HBM;
-//   rows128n64/...   mma_tile with the served L2 batching at BLOCK_M 128 (MmaBatching<Cfg, true>):
-//                    128-row batches in one part, each waited for in full, as two m64n64k32
-//                    WGMMAs per K step;
-//   rows128/...      the same batches as one m64n128k32 per K step (MmaBatching specialised
-//                    below): the form that made L2 15% faster in round 12 and L1 10% slower.
+//   rows128/...      mma_tile with 128-row batches in one part, each waited for in full, as one
+//                    m64n128k32 per K step (MmaBatching<Cfg, false>, the exact-numerics form): the
+//                    form that made L2 15% faster in round 12 and L1 10% slower (round 16, after the
+//                    uniform index: L1 19% slower, L2 3% faster than waited pairs of m64n64, which
+//                    pipelined 64-row batches, now served in both GEMMs, beat by 11-15%).
 // Per variant: cycles per k-block (one 128 x 256 x 128 step of the CTA's tile; 1024 at the tensor
 // peak with both warpgroups, 512 per warpgroup), the share of the tensor pipe that is, TFLOP/s,
 // and the SM clock the run saw. The served rows are comparable with tools/tile_timeline.py's.
@@ -50,13 +50,9 @@ using V3L1 = KernelConfig<7168, 2048, 8, 32, 1, 128, 4, true, false>;
 struct V3L1Rows128N128 : V3L1 {};
 
 namespace megamoe {
-// The served L2 batching at BLOCK_M 128, with each 128-row batch one m64n128k32 per K step.
-template <bool kIsL2>
-struct MmaBatching<V3L1Rows128N128, kIsL2> : MmaBatching<V3L1, true> {
-  static constexpr int kOpRows = 128;
-  static constexpr int kOpsPerBatch = 1;
-  using Op = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
-};
+// 128-row batches waited for in full, one m64n128k32 per K step.
+template <>
+struct MmaBatching<V3L1Rows128N128> : MmaBatching<V3L1, false> {};
 }  // namespace megamoe
 
 constexpr int kKBlocks = V3L1::kL1NumKBlocks;     // per tile (56)
@@ -90,8 +86,7 @@ __device__ void fill_stages(const StageView<Cfg>& sv, const BenchArgs& a) {
   cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // generic writes, read by the WGMMAs' async proxy
 }
 
-// kL2Batching: mma_tile batches as in L2 (MmaBatching<Cfg, true>) instead of L1.
-template <class Cfg, Producer kProducer, bool kL2Batching = false>
+template <class Cfg, Producer kProducer>
 __global__ void __launch_bounds__(Cfg::kNumThreads, 1) served(const __grid_constant__ BenchArgs a) {
   uint8_t* smem = aligned_dynamic_smem();  // as the kernel addresses its SharedStorage
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + offsetof(SharedStorage<Cfg>, full));
@@ -149,7 +144,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1) served(const __grid_const
         uint32_t full_wait = 0;
         const long long start = clock64();
         for (int i = 0; i < a.tiles; ++i) {
-          if (!mma_tile<Cfg, kKBlocks, kL2Batching>(a.p, sv, full, empty, ps, wg, fc, a.sfa, acc, weight_scales, full_wait))
+          if (!mma_tile<Cfg, kKBlocks>(a.p, sv, full, empty, ps, wg, fc, a.sfa, acc, weight_scales, full_wait))
             return false;
 #pragma unroll
           for (int j = 0; j < Cfg::kAccFloats; ++j) keep += acc[j];
@@ -300,8 +295,6 @@ int main(int argc, char** argv) {
       {"rows128/arrive", served<V3L1Rows128N128, Producer::kArrive>, 2},
       {"rows128/bulk", served<V3L1Rows128N128, Producer::kBulk>, 2},
       {"rows128/tma", served<V3L1Rows128N128, Producer::kTma>, 2},
-      {"rows128n64/arrive", served<V3L1, Producer::kArrive, true>, 2},
-      {"rows128n64/tma", served<V3L1, Producer::kTma, true>, 2},
   };
   if (std::strcmp(only, "--list") == 0) {
     for (const Variant& v : variants) std::printf("%s\n", v.name);
