@@ -4,7 +4,7 @@ tools/gpu_check.sh NCU=1 (ncu_source.csv.gz: one section per profiled launch; ph
 
 Usage: python3 tools/ncu_loop_stalls.py ncu_source.csv.gz [--launch K] [--minus J] [--top N]
   --launch K  the launch to read (default: the last);
-  --minus J   subtract launch J's samples instruction by instruction (launch 3 minus 2 = the L1 phase);
+  --minus J   subtract launch J's samples instruction by instruction (launch 2 minus 1 = the L1 phase);
   --top N     list the N instructions with the most samples in each loop (default 12).
 
 A loop runs from a backward branch's target to the branch (one executed at least 100000 times:
@@ -80,7 +80,7 @@ def main():
         for reason, n in by_reason.most_common():
             if n:
                 print(f"  {reason:18s} {n:7d} {100 * n / samples:5.1f}%")
-        print(f"  top instructions:")
+        print("  top instructions:")
         for j in sorted(range(lo, hi), key=lambda j: -per_instr[j][0])[: args.top]:
             reasons = sorted(((per_instr[j][k + 1], header[c][len("stall_"):]) for k, c in enumerate(stall_cols)),
                              reverse=True)[:2]

@@ -14,10 +14,9 @@
 //                    swizzle), walking v3's L1 tiles (expert, n-block, m-block) over a v3-sized
 //                    expert set in HBM;
 //   rows128/...      mma_tile with 128-row batches in one part, each waited for in full, as one
-//                    m64n128k32 per K step (MmaBatching<Cfg, false>, the exact-numerics form): the
-//                    form that made L2 15% faster in round 12 and L1 10% slower (round 16, after the
-//                    uniform index: L1 19% slower, L2 3% faster than waited pairs of m64n64, which
-//                    pipelined 64-row batches, now served in both GEMMs, beat by 11-15%).
+//                    m64n128k32 per K step (MmaBatching<Cfg, false>, the exact-numerics form).
+//                    In the kernel (round 16) this form ran L1 19% slower than the served
+//                    pipelined 64-row batches; L2 now runs those too.
 // Per variant: cycles per k-block (one 128 x 256 x 128 step of the CTA's tile; 1024 at the tensor
 // peak with both warpgroups, 512 per warpgroup), the share of the tensor pipe that is, TFLOP/s,
 // and the SM clock the run saw. The served rows are comparable with tools/tile_timeline.py's.
