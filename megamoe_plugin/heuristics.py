@@ -7,7 +7,8 @@ layer, the JIT cache key and the table tooling can use them anywhere.
 
 The shared-memory model mirrors the kernel (csrc/megamoe/smem.cuh; docs/design.md): one
 persistent CTA per SM with a TMA pipeline whose stage holds an A tile (BLOCK_M x BLOCK_K
-fp8) and a B tile (BLOCK_N x BLOCK_K fp8), each stage padded to 1024 bytes (the 128-byte
+fp8), a B tile (BLOCK_N x BLOCK_K fp8) and the A rows' token scales (BLOCK_M + 4 float32),
+each stage padded to 1024 bytes (the 128-byte
 TMA swizzle needs 1024-byte aligned tiles), plus a fixed part (mbarriers, the amax
 exchange, the expert tables, and in exact numerics the FP16 token buffers). The
 JIT-generated source static_asserts that `smem_bytes` equals the kernel's own count.
@@ -142,8 +143,14 @@ def _align(x: int, a: int) -> int:
 
 # The two functions below mirror csrc/megamoe/smem.cuh (sizeof(SharedStorage));
 # the JIT-generated source static_asserts that both agree.
+# A stage carries its A rows' token scales (config.cuh kStageScaleFloats): BLOCK_M floats and 4 more,
+# since the bulk copy starts at the tile's first row rounded down to 16 bytes.
+_STAGED_SCALE_PAD_FLOATS = 4
+
+
 def _stage_bytes(block_m: int) -> int:
-    raw = block_m * BLOCK_K * _FP8_BYTES + BLOCK_N * BLOCK_K * _FP8_BYTES
+    token_scales = (block_m + _STAGED_SCALE_PAD_FLOATS) * _F32_BYTES
+    raw = block_m * BLOCK_K * _FP8_BYTES + BLOCK_N * BLOCK_K * _FP8_BYTES + token_scales
     return _align(raw, STAGE_ALIGN)
 
 
@@ -160,7 +167,7 @@ def _fixed_bytes(block_m: int, num_local_experts: int, numerics: str) -> int:
 def smem_bytes(block_m: int, num_stages: int, num_local_experts: int, numerics: str = DEFAULT_NUMERICS) -> int:
     """Dynamic shared memory one CTA needs, in bytes.
 
-    num_stages pipeline stages (A tile, B tile, padded to 1024 bytes so every
+    num_stages pipeline stages (A tile, B tile, the A rows' token scales, padded to 1024 bytes so every
     stage's tiles stay aligned for the TMA swizzle) plus the fixed part: 1024 bytes of
     mbarriers, the cross-warp amax exchange (double-buffered, 2 * 8 * block_m float32),
     3 int32 tables per local expert, in exact mode two (k-block parity) L1 token scale

@@ -156,12 +156,12 @@ SCHEMA_ERRORS = {
                            '$.tables[0].entries["4"].num_stages', "expected an integer >= 2, got 1"),
     "num_stages too many": (edit(lambda t: t["tables"][0]["entries"]["4"].update(num_stages=6)),
                             '$.tables[0].entries["4"].num_stages',
-                            "6 stages of block_m=64 with 32 local experts need 252928 bytes of shared memory in "
-                            "fast numerics, more than the 232448 available"),
+                            f"6 stages of block_m=64 with 32 local experts need {smem_bytes(64, 6, 32, 'fast')} bytes "
+                            f"of shared memory in fast numerics, more than the {SMEM_LIMIT} available"),
     "num_stages beyond exact": (edit(lambda t: t["tables"][0]["entries"]["4"].update(num_stages=5)),
                                 '$.tables[0].entries["4"].num_stages',
-                                "5 stages of block_m=64 with 32 local experts need 244736 bytes of shared memory in "
-                                "exact numerics"),
+                                f"5 stages of block_m=64 with 32 local experts need {smem_bytes(64, 5, 32, 'exact')} "
+                                "bytes of shared memory in exact numerics"),
 }
 
 

@@ -96,13 +96,13 @@ def test_select_block_m_rejects(expected, tiers):
 
 
 def test_smem_bytes_worked_example():
-    # Stage: 64*128 A + 256*128 B = 40960 (40 KiB, already 1024-aligned).
+    # Stage: 64*128 A + 256*128 B + (64 + 4)*4 token scales = 41232 -> 41984 (1024-aligned).
     # Fixed, exact: 1024 barriers + 2*8*64*4 amax + (3*32+1)*4 expert tables + 2*64*4 L1 token
     # scales = 5988 -> 6144, + 2*64*128*2 L1 token staging, + 1024 alignment.
-    assert smem_bytes(64, 4, 32, "exact") == 4 * 40960 + 6144 + 32768 + 1024 == 203776
+    assert smem_bytes(64, 4, 32, "exact") == 4 * 41984 + 6144 + 32768 + 1024 == 207872
     assert max_pipeline_stages(64, 32, numerics="exact") == 4
-    # Fast: no token scales or staging: 1024 + 4096 + 388 = 5508 -> 6144, + 1024.
-    assert smem_bytes(64, 5, 32, "fast") == 5 * 40960 + 6144 + 1024 == 211968
+    # Fast: no L1 token scales or staging: 1024 + 4096 + 388 = 5508 -> 6144, + 1024.
+    assert smem_bytes(64, 5, 32, "fast") == 5 * 41984 + 6144 + 1024 == 217088
     assert max_pipeline_stages(64, 32, numerics="fast") == 5
     assert smem_bytes(64, 4, 32) == smem_bytes(64, 4, 32, "fast")  # fast is the default
 
@@ -116,7 +116,8 @@ def test_numerics_is_checked():
 def test_stages_are_1024_aligned_and_hold_their_tiles(block_m):
     stage = smem_bytes(block_m, 2, 1) - smem_bytes(block_m, 1, 1)
     assert stage % 1024 == 0
-    assert block_m * 128 + 256 * 128 <= stage < block_m * 128 + 256 * 128 + 1024
+    tiles_and_scales = block_m * 128 + 256 * 128 + (block_m + 4) * 4
+    assert tiles_and_scales <= stage < tiles_and_scales + 1024
 
 
 def test_max_pipeline_stages_fits_for_every_tier_and_expert_count():

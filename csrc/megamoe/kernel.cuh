@@ -55,22 +55,16 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
   float acc[Cfg::kAccFloats];
   const int num_tiles = sched.num_tiles();
   PipelineState tok;  // L1's token buffers (exact_l1.cuh convert_l1_tokens)
-  const float* sf_pool = reinterpret_cast<const float*>(base + (kIsL2 ? p.off.act_sf : p.off.pool_sf));
-  const int* l1_done = reinterpret_cast<const int*>(base + p.off.l1_done);
   int tile_of_cta = 0;
   for (int tile = first_tile; tile < num_tiles; tile += gridDim.x, ++tile_of_cta) {
     TileClock clock;
     const Tile t = sched.decode(tile);
-    const float* sfa = sf_pool + tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
+    // Where the tile's first pool row lies in the token scales its stages carry (pipeline.cuh load_a).
+    const int row_a = tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
+    const int sf_skew = row_a - staged_scale_row(row_a);
     if constexpr (kIsL2) {
-      if constexpr (Cfg::kL2TrailsL1) {
-        // The act scales are read with plain loads: acquire the m-block's L1 rows first
-        // (one lane polls, then every lane acquires the value it saw).
-        const int gm = global_m_block<Cfg>(tables, t);
-        if (threadIdx.x % 32 == 0) wait_l1_rows<Cfg>(p, l1_done, gm);
-        __syncwarp();
-        (void)l1_rows_ready<Cfg>(l1_done, gm);
-      }
+      // A trailing L2 tile (Cfg::kL2TrailsL1) reads nothing L1 wrote but through its stages: the
+      // producer acquires the m-block's L1 rows before it loads them (pipeline.cuh produce_tiles).
       // w2_scale [E_l, H/128, I/128]: one scale per 128 hidden columns; a column block past H
       // (odd H/128) reads no scale.
       const float* sb = p.w2_scale + ((int64_t)t.expert * (Cfg::kHidden / 128) + t.n_block * 2) * Cfg::kL2NumKBlocks;
@@ -79,12 +73,12 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
         return make_float2(s, s);
       };
       if constexpr (Cfg::kFp8SwapAB) {
-        mma_tile_swap<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
+        mma_tile_swap<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sf_skew, acc, weight_scales);
         clock.mainloop_done();
         l2_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc);
       } else {
         const auto dests = EpilogueRows<Cfg, true>::at_tile_start(p, base, tables, t, wg, fc);
-        if (!mma_tile<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales,
+        if (!mma_tile<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sf_skew, acc, weight_scales,
                                                clock.full_wait))
           return false;
         clock.mainloop_done();
@@ -101,12 +95,12 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
         clock.mainloop_done();
         l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
       } else if constexpr (Cfg::kFp8SwapAB) {
-        mma_tile_swap<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales);
+        mma_tile_swap<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sf_skew, acc, weight_scales);
         clock.mainloop_done();
         l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
       } else {
         const auto weights = EpilogueRows<Cfg, false>::at_tile_start(p, base, tables, t, wg, fc);
-        if (!mma_tile<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sfa, acc, weight_scales,
+        if (!mma_tile<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sf_skew, acc, weight_scales,
                                                clock.full_wait))
           return false;
         clock.mainloop_done();

@@ -103,7 +103,8 @@ __device__ __forceinline__ void for_each_fragment_col(F&& f) {
 // A 64-row batch j of half h holds columns [64j, 64j + 64) of the half, i.e. acc[64h + 32j, +32)
 // in the m64n128 layout (chunk c of the n64 fragment is chunk 8j + c of the n128 one): batch b's
 // part always lands at acc + b * kPartFloats.
-// `sfa` points at the tile's first row in an MN-major scale pool ([k-block][pool row]).
+// The rows' scales of a k-block come with its stage (pipeline.cuh load_a): the tile's first row
+// at `sf_skew` in sv.a_scales.
 // `weight_scales(kb, block)` gives the scales of the tile's 128-row weight block `block` (0, 1)
 // at k-block kb: .x for even 8-column chunks, .y for odd ones (L1: gate, up; L2: the same).
 // False after a pipeline timeout (gemm_wait). `full_wait` gains the cycles spent waiting for
@@ -129,7 +130,7 @@ struct MmaBatching {
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                          uint64_t* empty, PipelineState& ps, int math_wg, const FragCoord& fc,
-                                         const float* sfa, float* acc, WeightScales weight_scales,
+                                         int sf_skew, float* acc, WeightScales weight_scales,
                                          uint32_t& full_wait) {
   using B = MmaBatching<Cfg>;
   constexpr int kHalves = Cfg::kWgHalves, kPartFloats = B::kPartFloats;
@@ -145,14 +146,6 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
   struct KBlockScales {
     float sa[2];
     float2 sb[kHalves];
-  };
-  const auto load_scales = [&](int kb) {
-    KBlockScales s;
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) s.sb[h] = weight_scales(kb, Cfg::wg_weight_block(wg, h));
-#pragma unroll
-    for (int i = 0; i < 2; ++i) s.sa[i] = __ldcg(sfa + (int64_t)kb * p.pool_capacity + row0 + fc.r0 + 8 * i);
-    return s;
   };
   // One flat array: a two-dimensional one made ptxas spill (12 bytes at exact BLOCK_M 64, fast_math=False).
   float parts[B::kParts * kPartFloats];
@@ -184,7 +177,10 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
   KBlockScales prev{};  // carried across k-blocks: the previous k-block's scales
   int prev_stage = 0;
   for (int kb = 0; kb < kNumKBlocks; ++kb) {
-    const KBlockScales cur = load_scales(kb);  // issued before the barrier wait: the wait hides their latency
+    KBlockScales cur;
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)  // issued before the barrier wait: the wait hides their latency
+      cur.sb[h] = weight_scales(kb, Cfg::wg_weight_block(wg, h));
     const uint32_t wait_start = TileClock::tile_clock();
     const bool stage_full = gemm_wait<Cfg>(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
     if constexpr (kTimeline) full_wait += TileClock::tile_clock() - wait_start;
@@ -195,6 +191,9 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
       return false;
     }
     const int stage = kUniformIndices ? warp_uniform(ps.stage) : ps.stage;
+    const float* sa = sv.a_scales(stage) + sf_skew + row0 + fc.r0;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) cur.sa[i] = sa[8 * i];
     const uint64_t desc_a = make_smem_desc(sv.a(stage) + row0 * Cfg::kBlockK);
 #pragma unroll
     for (int b = 0; b < B::kBatches; ++b) {
@@ -239,12 +238,12 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
 // are two m64 sub-tiles on the WGMMA M side, the tile's BLOCK_M pool rows (tokens) the N
 // side. acc[kSwapSubTiles][BLOCK_M / 2], fragment of sub-tile i: acc[i][4c + {0,1}] =
 // weight row 64i + r0, tokens 8c + 2q + {0,1}; acc[i][4c + {2,3}] = weight row 64i + r0 + 8.
-// Promotion scales: per token (sfa, MN-major like mma_tile) and per weight block
+// Promotion scales: per token (from the stage at sf_skew, like mma_tile) and per weight block
 // (`weight_scales(kb, wg)`: .x for rows r0, .y for rows r0 + 8; L2 passes the same scale in both).
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                               uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
-                                              const float* sfa, float* acc, WeightScales weight_scales) {
+                                              int sf_skew, float* acc, WeightScales weight_scales) {
   constexpr int kN = Cfg::kBlockM, kFrag = kN / 2, kChunks = kN / 8;
   using Op = typename SwapWgmma<kN>::Op;
   float part[Cfg::kSwapSubTiles * kFrag];
@@ -252,9 +251,10 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
   for (int i = 0; i < Cfg::kAccFloats; ++i) acc[i] = 0.f;
   for (int kb = 0; kb < kNumKBlocks; ++kb) {
     const float2 sb = weight_scales(kb, wg);
-    float sa[kChunks][2];
-    for_each_fragment_col<kChunks>([&](int c, int j) { sa[c][j] = __ldcg(sfa + (int64_t)kb * p.pool_capacity + fc.col(c, j)); });
     mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
+    const float* stage_sa = sv.a_scales(ps.stage) + sf_skew;
+    float sa[kChunks][2];
+    for_each_fragment_col<kChunks>([&](int c, int j) { sa[c][j] = stage_sa[fc.col(c, j)]; });
     const uint64_t desc_tokens = make_smem_desc(sv.a(ps.stage));
     uint64_t desc_w[Cfg::kSwapSubTiles];
 #pragma unroll

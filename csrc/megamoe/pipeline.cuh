@@ -22,6 +22,8 @@ struct StageView {
   float* l1_token_scales;  // [2 k-block parities][BLOCK_M]: their token scales (SharedStorage::l1_token_scales)
   __device__ uint8_t* a(int s) const { return stages + s * Cfg::kStageBytes; }
   __device__ uint8_t* b(int s) const { return a(s) + Cfg::kStageA; }
+  // The A rows' token scales of stage s (Cfg::kStageScaleFloats; where stages_token_scales).
+  __device__ float* a_scales(int s) const { return reinterpret_cast<float*>(b(s) + Cfg::kStageB); }
 };
 
 __device__ __forceinline__ void tma_load_2d(void* smem, const CUtensorMap* tmap, int x, int y, uint64_t* bar) {
@@ -44,22 +46,42 @@ __device__ __forceinline__ bool gemm_wait(const KernelParams& p, uint64_t* bar, 
   }
 }
 
-// Claims the next stage for one k-block (A + B bytes expected on its full barrier); null after
-// a timeout (gemm_wait).
-template <class Cfg>
+// Claims the next stage for one k-block of a GEMM phase (A + B bytes, and the token scales where
+// the phase stages them, expected on its full barrier); null after a timeout (gemm_wait).
+template <class Cfg, bool kIsL2>
 __device__ __forceinline__ uint64_t* claim_stage(const KernelParams& p, uint64_t* full, uint64_t* empty,
                                                  const PipelineState& ps) {
   if (!gemm_wait<Cfg>(p, &empty[ps.stage], ps.phase ^ 1, kErrPipelineEmptyTimeout)) return nullptr;
   uint64_t* bar = &full[ps.stage];
+  constexpr int kScaleBytes = Cfg::stages_token_scales(kIsL2) ? Cfg::kStageScaleBytes : 0;
   cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared, bar,
-                                       Cfg::kStageA + Cfg::kStageB);
+                                       Cfg::kStageA + Cfg::kStageB + kScaleBytes);
   return bar;
+}
+
+// The first row of a tile's staged token scales, row_a rounded down to 16 bytes (a bulk copy's
+// source alignment; the pool's k-block rows are 16-byte aligned, pool_capacity being a multiple
+// of 128): mma_tile reads row_a at offset row_a - staged_scale_row(row_a).
+__device__ __forceinline__ int staged_scale_row(int row_a) { return row_a & ~3; }
+
+// Loads k-block kb of a tile's A rows (first pool row row_a) into stage s: the FP8 tile by TMA and,
+// where the phase stages them, the rows' token scales by a bulk copy from the MN-major scale pool
+// `sf_pool` ([k-block][pool row]). The copy reads up to 3 floats past the tile's last row; at the
+// last k-block of the pool that is the next region of the buffer (buffer.py BufferLayout).
+template <class Cfg, bool kIsL2>
+__device__ __forceinline__ void load_a(const KernelParams& p, const StageView<Cfg>& sv, int s, const CUtensorMap* tmap_a,
+                                       const float* sf_pool, int kb, int row_a, uint64_t* bar) {
+  tma_load_2d(sv.a(s), tmap_a, kb * Cfg::kBlockK, row_a, bar);
+  if constexpr (Cfg::stages_token_scales(kIsL2))
+    cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, sv.a_scales(s),
+                             sf_pool + (int64_t)kb * p.pool_capacity + staged_scale_row(row_a), Cfg::kStageScaleBytes,
+                             bar);
 }
 
 // TMA producer for one GEMM phase, tiles first_tile, first_tile + gridDim.x, ...; false after a
 // pipeline timeout (gemm_wait).
 // A rows come from the pool (expert's rows), B rows from the weights (expert's block).
-// The math warps read the A scales themselves. An L2 tile whose act rows are not ready
+// The A rows' token scales come with them (load_a; exact L1's converters read theirs). An L2 tile whose act rows are not ready
 // yet first streams the weights of as many k-blocks as there are stages, then waits.
 template <class Cfg, bool kIsL2>
 __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileScheduler<Cfg>& sched, int first_tile,
@@ -69,6 +91,7 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
   constexpr int kPrefetch = kNumKBlocks < Cfg::kNumStages ? kNumKBlocks : Cfg::kNumStages;
   const CUtensorMap* tmap_a = p.tmaps + (kIsL2 ? kTmapAct : kTmapPoolX);
   const CUtensorMap* tmap_b = p.tmaps + (kIsL2 ? kTmapW2 : kTmapW13);
+  const float* sf_pool = reinterpret_cast<const float*>(base + (kIsL2 ? p.off.act_sf : p.off.pool_sf));
   const int* l1_done = reinterpret_cast<const int*>(base + p.off.l1_done);
   const int num_tiles = sched.num_tiles();
   ProducerClock clock;
@@ -82,13 +105,13 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
       if (!l1_rows_ready<Cfg>(l1_done, gm)) {
         PipelineState ahead = ps;
         for (int i = 0; i < kPrefetch; ++i) {
-          tma_load_2d(sv.b(ahead.stage), tmap_b, i * Cfg::kBlockK, row_b, claim_stage<Cfg>(p, full, empty, ahead));
+          tma_load_2d(sv.b(ahead.stage), tmap_b, i * Cfg::kBlockK, row_b, claim_stage<Cfg, kIsL2>(p, full, empty, ahead));
           ahead.advance<Cfg::kNumStages>();
         }
         wait_l1_rows<Cfg>(p, l1_done, gm);
         fence_generic_to_async();
         for (; kb < kPrefetch; ++kb) {
-          tma_load_2d(sv.a(ps.stage), tmap_a, kb * Cfg::kBlockK, row_a, &full[ps.stage]);
+          load_a<Cfg, kIsL2>(p, sv, ps.stage, tmap_a, sf_pool, kb, row_a, &full[ps.stage]);
           ps.advance<Cfg::kNumStages>();
         }
       } else {
@@ -97,12 +120,12 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
     }
     for (; kb < kNumKBlocks; ++kb) {
       const uint64_t wait_start = timeline_clock();
-      uint64_t* bar = claim_stage<Cfg>(p, full, empty, ps);
+      uint64_t* bar = claim_stage<Cfg, kIsL2>(p, full, empty, ps);
       if constexpr (kTimeline) clock.empty_wait += timeline_clock() - wait_start;
       if constexpr (Cfg::kRebalanceRegisters) {  // elsewhere claim_stage trapped already
         if (bar == nullptr) return false;
       }
-      tma_load_2d(sv.a(ps.stage), tmap_a, kb * Cfg::kBlockK, row_a, bar);
+      load_a<Cfg, kIsL2>(p, sv, ps.stage, tmap_a, sf_pool, kb, row_a, bar);
       tma_load_2d(sv.b(ps.stage), tmap_b, kb * Cfg::kBlockK, row_b, bar);
       ps.advance<Cfg::kNumStages>();
     }

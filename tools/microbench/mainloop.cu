@@ -67,7 +67,7 @@ enum class Producer { kArrive, kBulk, kTma };
 struct BenchArgs {
   KernelParams p;             // timeouts, failure word, pool_capacity (the sfa stride)
   const CUtensorMap* tmaps;   // [0] the pool rows, [1] the weights (Producer::kTma)
-  const float* sfa;           // [kKBlocks][128] token scales
+  const float* sfa;           // [kKBlocks][128] token scales, + 4 floats (Producer::kTma copies the stage's 132)
   const float* sb;            // [2][kKBlocks] weight scales
   const uint8_t* bulk_src;    // [grid][stages][stage bytes] (Producer::kBulk; also fills resident stages)
   float* out;                 // [grid][256]: keeps the accumulators alive
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1) served(const __grid_const
               if (!gemm_wait<Cfg>(a.p, &empty[ps.stage], ps.phase ^ 1, kErrPipelineEmptyTimeout)) return false;
               cuda::ptx::mbarrier_arrive(&full[ps.stage]);
             } else {
-              uint64_t* bar = claim_stage<Cfg>(a.p, full, empty, ps);
+              uint64_t* bar = claim_stage<Cfg, false>(a.p, full, empty, ps);
               if (bar == nullptr) return false;
               if constexpr (kProducer == Producer::kBulk) {
                 const uint8_t* src = a.bulk_src + ((size_t)blockIdx.x * Cfg::kNumStages + ps.stage) * Cfg::kStageBytes;
@@ -123,10 +123,14 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1) served(const __grid_const
                                          Cfg::kStageA, bar);
                 cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, sv.b(ps.stage),
                                          src + Cfg::kStageA, Cfg::kStageB, bar);
+                cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, sv.a_scales(ps.stage),
+                                         src + Cfg::kStageA + Cfg::kStageB, Cfg::kStageScaleBytes, bar);
               } else {
                 tma_load_2d(sv.a(ps.stage), a.tmaps, kb * Cfg::kBlockK, (e * kMBlocksPerExpert + m) * Cfg::kBlockM, bar);
                 tma_load_2d(sv.b(ps.stage), a.tmaps + 1, kb * Cfg::kBlockK, e * kWeightRowsPerExpert + n * Cfg::kBlockN,
                             bar);
+                cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, sv.a_scales(ps.stage),
+                                         a.sfa + kb * a.p.pool_capacity, Cfg::kStageScaleBytes, bar);
               }
             }
             ps.advance<Cfg::kNumStages>();
@@ -143,7 +147,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1) served(const __grid_const
         uint32_t full_wait = 0;
         const long long start = clock64();
         for (int i = 0; i < a.tiles; ++i) {
-          if (!mma_tile<Cfg, kKBlocks>(a.p, sv, full, empty, ps, wg, fc, a.sfa, acc, weight_scales, full_wait))
+          if (!mma_tile<Cfg, kKBlocks>(a.p, sv, full, empty, ps, wg, fc, 0, acc, weight_scales, full_wait))
             return false;
 #pragma unroll
           for (int j = 0; j < Cfg::kAccFloats; ++j) keep += acc[j];
@@ -316,7 +320,7 @@ int main(int argc, char** argv) {
   fill_fp8<<<1024, 256>>>(bulk_src, bulk_bytes, 1);
   fill_fp8<<<1024, 256>>>(pool, pool_bytes, 2);
   fill_fp8<<<1024, 256>>>(weights, weight_bytes, 3);
-  std::vector<float> sfa_host(kKBlocks * V3L1::kBlockM), sb_host(2 * kKBlocks);
+  std::vector<float> sfa_host(kKBlocks * V3L1::kBlockM + 4), sb_host(2 * kKBlocks);
   for (size_t i = 0; i < sfa_host.size(); ++i) sfa_host[i] = 1.f / 448.f * (1 + i % 7);
   for (size_t i = 0; i < sb_host.size(); ++i) sb_host[i] = 1.f / 1024.f * (1 + i % 5);
   float *sfa, *sb, *out;
