@@ -160,7 +160,10 @@ def _fixed_bytes(block_m: int, num_local_experts: int, numerics: str) -> int:
     exact = check_numerics(numerics) == "exact"  # only exact L1 stages its tokens in FP16
     l1_token_scales = 2 * block_m * _F32_BYTES if exact else 0  # per k-block parity
     l1_token_staging = 2 * block_m * BLOCK_K * _F16_BYTES if exact else 0  # per k-block parity
-    return (_align(_BARRIER_SCRATCH_BYTES + amax_exchange + expert_tables + l1_token_scales, STAGE_ALIGN)
+    # The BLOCK_M 64 / 128 epilogues' quad exchange: 8 math warps x 8 rows x 64 bytes, 16-aligned.
+    quad_lines = 8 * 8 * 64 if block_m >= 64 and not exact else 0  # none in the swap-AB tiers (below 64)
+    before_quad_lines = _align(_BARRIER_SCRATCH_BYTES + amax_exchange + expert_tables, 16)
+    return (_align(before_quad_lines + quad_lines + l1_token_scales, STAGE_ALIGN)
             + l1_token_staging + _BASE_ALIGN_BYTES)
 
 
@@ -170,7 +173,8 @@ def smem_bytes(block_m: int, num_stages: int, num_local_experts: int, numerics: 
     num_stages pipeline stages (A tile, B tile, the A rows' token scales, padded to 1024 bytes so every
     stage's tiles stay aligned for the TMA swizzle) plus the fixed part: 1024 bytes of
     mbarriers, the cross-warp amax exchange (double-buffered, 2 * 8 * block_m float32),
-    3 int32 tables per local expert, in exact mode two (k-block parity) L1 token scale
+    3 int32 tables per local expert, from BLOCK_M 64 up in fast numerics the epilogues' quad exchange
+    lines (8 math warps x 8 rows x 64 bytes; the swap-AB tiers below 64 have none), in exact mode two (k-block parity) L1 token scale
     vectors (block_m float32) and FP16 copies of the L1 token tile (block_m * 128 * 2
     bytes), and 1024 bytes of slack to align the dynamic shared memory base.
     """

@@ -74,6 +74,11 @@ struct KernelConfig {
   // Shared memory sizes; the layout is smem.cuh SharedStorage.
   static constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
   static constexpr int kAmaxSlots = kNumMathThreads / 32;  // L1 requant amax exchange, per math warp
+  // The BLOCK_M 64 / 128 epilogues' quad exchange in fast numerics (epilogue.cuh QuadLines): per
+  // math warp, one 64-byte line for each of its 8 fragment rows. Exact numerics' L2 at BLOCK_M 64
+  // exchanges in registers (quad_transpose): with the lines every exact BLOCK_M 64 variant spilled
+  // 28-40 bytes (its L1 main loop among the places), at the same 168 registers.
+  static constexpr int kQuadLineBytes = (kFp8SwapAB || kExactL1) ? 0 : (kNumMathThreads / 32) * 8 * 64;
   static constexpr int kL1TokenBytes = kExactL1 ? kBlockM * kBlockK * 2 : 0;  // exact L1's FP16 token tile
   static constexpr int kStageA = kBlockM * kBlockK;
   static constexpr int kStageB = kBlockN * kBlockK;

@@ -110,6 +110,39 @@ struct EpilogueRows {
   }
 };
 
+// A 16-byte global store if `pred`, as one predicated instruction: a guarded C++ store made ptxas
+// wrap every store of the L2 epilogue in a divergent region of its own (BSSY / BSYNC and branches,
+// a fifth of that epilogue's warp-stall samples in round 16's Nsight Compute profile).
+__device__ __forceinline__ void store_16_if(bool pred, void* dst, uint4 v) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p st.global.v4.b32 [%1], {%2, %3, %4, %5};\n}\n" ::"r"(
+          static_cast<int>(pred)),
+      "l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
+// The BLOCK_M 64 / 128 epilogues' quad exchange: in the m64n128 fragment a row's outputs are
+// spread over its quad's 4 lanes, a few bytes per 8-column chunk; through this warp's lines of
+// SharedStorage::quad_lines each lane gets 16 contiguous bytes of the row to store as one vector.
+// One 64-byte line per fragment row of the warp (lane / 4); its four 16-byte chunks are
+// XOR-swizzled by row / 2, so that neither the quad's small writes nor the 16-byte reads meet on
+// a bank. Every lane of the warp takes part (valid row or not): write(), sync(), chunk(), sync().
+// Round 16 exchanged L2's values with three shuffles and select chains per 4 words and stored L1's
+// 2 bytes at a time (224 SEL of L2's 700-instruction epilogue; 32 stores of L1's per thread).
+struct QuadLines {
+  static constexpr int kWarpBytes = 8 * 64;
+  uint8_t* lines;  // SharedStorage::quad_lines
+  int line, q;     // this lane's line (byte offset) and its lane in the quad
+  __device__ static QuadLines of(uint8_t* quad_lines, int wg, const FragCoord& fc) {
+    return {quad_lines, (wg * 4 + fc.r0 / 16) * kWarpBytes + (fc.r0 % 16) * 64, fc.q};  // fc.r0 % 16 = lane / 4
+  }
+  // Byte `byte` of the row's 64, in the swizzled line (chunks XOR row / 2 = line / 128).
+  __device__ uint8_t* at(int byte) const { return lines + line + ((byte / 16) ^ ((line / 128) % 4)) * 16 + byte % 16; }
+  template <class T>
+  __device__ void write(int byte, T v) const { *reinterpret_cast<T*>(at(byte)) = v; }
+  __device__ static void sync() { __syncwarp(); }
+  __device__ uint4 chunk() const { return *reinterpret_cast<const uint4*>(at(16 * q)); }  // bytes 16q ..
+};
+
 // Fast L1 at BLOCK_M 64 and 128 (mma.cuh mma_tile): a warpgroup's half h holds m64n128
 // accumulators (acc + 64h) of pool rows row0 + r0 and row0 + r0 + 8, weight rows in 8-wide
 // chunks that alternate gate (even chunk 2j) and up (odd chunk 2j + 1) of output
@@ -121,7 +154,7 @@ template <class Cfg>
 __device__ __forceinline__ void l1_epilogue(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
                                             const Tile& t, int wg, const FragCoord& fc,
                                             const EpilogueRows<Cfg, false>& weights, float* acc,
-                                            float* amax_exchange, int parity) {
+                                            float* amax_exchange, uint8_t* quad_lines, int parity) {
   constexpr int kHalves = Cfg::kWgHalves;
   const TileRows<Cfg> rows = TileRows<Cfg>::of(tables, t, wg);
   const bool valid[2] = {rows.valid(fc, 0), rows.valid(fc, 1)};
@@ -154,29 +187,37 @@ __device__ __forceinline__ void l1_epilogue(const KernelParams& p, uint8_t* base
     for (int half = 0; half < 2; ++half) amax[half] = fmaxf(amax[half], other[fc.r0 + 8 * half]);
   }
 
+  // Row r0 + 8 * half's 64 codes of half h (outputs 64 b + [0, 64)) go out as 16-byte vectors after
+  // the quad exchange (QuadLines): lane q stores outputs 64 b + 16 q + [0, 16).
   uint8_t* act_out = base + p.off.act;
+  const QuadLines lines = QuadLines::of(quad_lines, wg, fc);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    if (!valid[half]) continue;
     const float scale = fmaxf(amax[half], kScaleEps) / kFp8Max;
     const int row = rows.row(fc, half);
 #pragma unroll
     for (int h = 0; h < kHalves; ++h) {
-      uint8_t* out = act_out + (int64_t)row * Cfg::kInter + t.n_block * 128 + 64 * Cfg::wg_weight_block(wg, h) + 2 * fc.q;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < 8; ++j) {  // outputs 8j + 2q, + 1
         float2 v = make_float2(acc[64 * h + 8 * j + 2 * half], acc[64 * h + 8 * j + 2 * half + 1]);
         if constexpr (Cfg::kFastMath) v.x *= 1.f / scale, v.y *= 1.f / scale;
         else v.x /= scale, v.y /= scale;
-        *reinterpret_cast<__nv_fp8x2_storage_t*>(out + 8 * j) = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
+        lines.write(8 * j + 2 * fc.q, __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3));
       }
+      QuadLines::sync();
+      const uint4 codes = lines.chunk();
+      QuadLines::sync();  // read before the next half overwrites the line
+      store_16_if(valid[half], act_out + (int64_t)row * Cfg::kInter + t.n_block * 128 + 64 * Cfg::wg_weight_block(wg, h) +
+                                   16 * fc.q,
+                  codes);
     }
-    if ((kHalves == 2 || wg == 0) && fc.q == 0)
+    if (valid[half] && (kHalves == 2 || wg == 0) && fc.q == 0)
       reinterpret_cast<float*>(base + p.off.act_sf)[(int64_t)t.n_block * p.pool_capacity + row] = scale;
   }
 }
 
-// Transposes a 4x4 block of 32-bit values across the 4 lanes of a quad: lane q holds
+// Transposes a 4x4 block of 32-bit values across the 4 lanes of a quad in registers (exact numerics'
+// L2 epilogue; QuadLines says why): lane q holds
 // w[j] = M[q][j] and ends with w[p] = M[p][q]. Rotation k sends M[q][(q + k) % 4] to lane
 // q + k; indices are resolved with selects (no dynamically indexed registers).
 __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
@@ -195,16 +236,17 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
   for (int j = 0; j < 4; ++j) w[j] = out[j];
 }
 
-// L2 (BLOCK_M 64 and 128, mma.cuh mma_tile): per row, the quad's lanes hold 2 columns of each
-// 8-column chunk; a quad transpose gives each lane whole chunks, stored as 16-byte vectors
-// (docs/design.md s.4: 128-bit NVLink scatter beat 32-bit stores by 8-14% at large M). Lane q
-// stores chunks 4g + q. Half h of the warpgroup covers hidden columns 128 b + [0, 128) of the
-// tile, b = Cfg::wg_weight_block(wg, h).
+// L2 (BLOCK_M 64 and 128, mma.cuh mma_tile): a row's BF16 values go out as 16-byte vectors after
+// the quad exchange (QuadLines; docs/design.md s.4: 128-bit NVLink scatter beat 32-bit stores by
+// 8-14% at large M). Lane q stores chunks 4g + q. Half h of the warpgroup covers hidden columns
+// 128 b + [0, 128) of the tile, b = Cfg::wg_weight_block(wg, h).
 template <class Cfg>
 __device__ __forceinline__ void l2_epilogue(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
                                             const Tile& t, int wg, const FragCoord& fc,
-                                            const EpilogueRows<Cfg, true>& dests, const float* acc) {
+                                            const EpilogueRows<Cfg, true>& dests, const float* acc,
+                                            uint8_t* quad_lines) {
   const TileRows<Cfg> rows = TileRows<Cfg>::of(tables, t, wg);
+  const QuadLines lines = QuadLines::of(quad_lines, wg, fc);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const bool valid = rows.valid(fc, half);              // uniform over the quad (one row)
@@ -218,15 +260,25 @@ __device__ __forceinline__ void l2_epilogue(const KernelParams& p, uint8_t* base
       uint4* dst = reinterpret_cast<uint4*>(row + col0);
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
-        uint32_t w[4];
+        uint32_t w[4];  // chunk 4g + j: this lane's columns 2q, 2q + 1 of it
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int c = 4 * g + j;
           const __nv_bfloat162 v = __floats2bfloat162_rn(acc[64 * h + 4 * c + 2 * half], acc[64 * h + 4 * c + 2 * half + 1]);
           w[j] = *reinterpret_cast<const uint32_t*>(&v);
         }
-        quad_transpose(w, fc.q);  // every lane takes part, valid row or not
-        if (valid) dst[4 * g + fc.q] = make_uint4(w[0], w[1], w[2], w[3]);  // chunk 4g + q: columns 8(4g + q) ..
+        uint4 chunk;  // chunk 4g + q
+        if constexpr (Cfg::kQuadLineBytes > 0) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) lines.write(16 * j + 4 * fc.q, w[j]);
+          QuadLines::sync();
+          chunk = lines.chunk();
+          QuadLines::sync();  // read before the next group overwrites the line
+        } else {
+          quad_transpose(w, fc.q);
+          chunk = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+        store_16_if(valid, dst + 4 * g + fc.q, chunk);
       }
     }
   }

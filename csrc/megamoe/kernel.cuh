@@ -82,7 +82,7 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
                                                clock.full_wait))
           return false;
         clock.mainloop_done();
-        l2_epilogue<Cfg>(p, base, tables, t, wg, fc, dests, acc);
+        l2_epilogue<Cfg>(p, base, tables, t, wg, fc, dests, acc, quad_lines_of<Cfg>(amax_exchange));
       }
       clock.record(p, 1, tile_of_cta, wg);
     } else {
@@ -104,7 +104,8 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
                                                clock.full_wait))
           return false;
         clock.mainloop_done();
-        l1_epilogue<Cfg>(p, base, tables, t, wg, fc, weights, acc, amax_exchange, parity);
+        l1_epilogue<Cfg>(p, base, tables, t, wg, fc, weights, acc, amax_exchange, quad_lines_of<Cfg>(amax_exchange),
+                         parity);
       }
       if constexpr (Cfg::kL2TrailsL1) publish_l1_tile<Cfg>(p, base, tables, t);
       parity ^= 1;

@@ -24,19 +24,30 @@ struct SharedStorage {
   alignas(1024) float amax_exchange[2][Cfg::kAmaxSlots][Cfg::kBlockM];
   // The local experts' pool layout (dispatch.cuh): exp_start[E_l], exp_count[E_l], mblk_prefix[E_l + 1].
   int tables[3 * Cfg::kNumLocalExperts + 1];
+  // BLOCK_M 64 and 128 (zero-length below): the epilogues' quad exchange lines, per math warp
+  // (epilogue.cuh QuadLines).
+  alignas(16) uint8_t quad_lines[Cfg::kQuadLineBytes];
   // Exact L1 only (zero-length in fast numerics): the k-block's token scales and its token tile in
   // FP16 (BLOCK_M x 128 K, two 64-wide K atoms of [BLOCK_M][128 B], 128B swizzle), the B operand of
   // both math warpgroups' WGMMAs, one per k-block parity.
   float l1_token_scales[2][Cfg::kExactL1 ? Cfg::kBlockM : 0];
   alignas(1024) uint8_t l1_tokens[2][Cfg::kL1TokenBytes];
-  // The pipeline's stages, each an A tile (BLOCK_M x 128 K) then a B tile (256 x 128 K), 1024-aligned
-  // for the 128B swizzle. The dispatch phases alias them as int scratch (Cfg::kScratchInts).
+  // The pipeline's stages, each an A tile (BLOCK_M x 128 K), a B tile (256 x 128 K) and the A rows'
+  // token scales (config.cuh kStageScaleFloats), 1024-aligned for the 128B swizzle. The dispatch phases alias them as int scratch (Cfg::kScratchInts).
   alignas(1024) uint8_t stages[Cfg::kNumStages][Cfg::kStageBytes];
 
   static_assert(sizeof(full) + sizeof(empty) + sizeof(tok_full) + sizeof(tok_empty) <= 1024,
                 "the barriers fit before the amax exchange");
   static_assert(Cfg::kScratchInts * 4 <= sizeof(stages), "dispatch scratch does not fit");
 };
+
+// The epilogues' quad lines, addressed from the amax exchange's pointer: a constant offset, so that
+// the main loops keep no second shared-memory pointer live (one made exact BLOCK_M 64 spill 40 bytes).
+template <class Cfg>
+__device__ __forceinline__ uint8_t* quad_lines_of(float* amax_exchange) {
+  return reinterpret_cast<uint8_t*>(amax_exchange) +
+         (offsetof(SharedStorage<Cfg>, quad_lines) - offsetof(SharedStorage<Cfg>, amax_exchange));
+}
 
 // Bytes of shared memory a variant uses, without the 1 KiB of alignment slack.
 template <class Cfg>
