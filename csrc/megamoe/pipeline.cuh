@@ -61,12 +61,12 @@ __device__ __forceinline__ uint64_t* claim_stage(const KernelParams& p, uint64_t
 
 // The first row of a tile's staged token scales, row_a rounded down to 16 bytes (a bulk copy's
 // source alignment; the pool's k-block rows are 16-byte aligned, pool_capacity being a multiple
-// of 128): mma_tile reads row_a at offset row_a - staged_scale_row(row_a).
+// of 128): the main loops read row_a at offset row_a - staged_scale_row(row_a).
 __device__ __forceinline__ int staged_scale_row(int row_a) { return row_a & ~3; }
 
 // Loads k-block kb of a tile's A rows (first pool row row_a) into stage s: the FP8 tile by TMA and,
 // where the phase stages them, the rows' token scales by a bulk copy from the MN-major scale pool
-// `sf_pool` ([k-block][pool row]). The copy reads up to 3 floats past the tile's last row; at the
+// `sf_pool` ([k-block][pool row]). The copy reads up to 4 floats past the tile's last row; at the
 // last k-block of the pool that is the next region of the buffer (buffer.py BufferLayout).
 template <class Cfg, bool kIsL2>
 __device__ __forceinline__ void load_a(const KernelParams& p, const StageView<Cfg>& sv, int s, const CUtensorMap* tmap_a,
