@@ -8,10 +8,10 @@ layer, the JIT cache key and the table tooling can use them anywhere.
 The shared-memory model mirrors the kernel (csrc/megamoe/smem.cuh; docs/design.md): one
 persistent CTA per SM with a TMA pipeline whose stage holds an A tile (BLOCK_M x BLOCK_K
 fp8), a B tile (BLOCK_N x BLOCK_K fp8) and the A rows' token scales (BLOCK_M + 4 float32),
-each stage padded to 1024 bytes (the 128-byte
-TMA swizzle needs 1024-byte aligned tiles), plus a fixed part (mbarriers, the amax
-exchange, the expert tables, and in exact numerics the FP16 token buffers). The
-JIT-generated source static_asserts that `smem_bytes` equals the kernel's own count.
+each stage padded to 1024 bytes (the 128-byte TMA swizzle needs 1024-byte aligned tiles),
+plus a fixed part (mbarriers, the amax exchange, the expert tables, the epilogues' quad
+exchange lines, and in exact numerics the FP16 token buffers). The JIT-generated source
+static_asserts that `smem_bytes` equals the kernel's own count.
 """
 from __future__ import annotations
 
@@ -170,13 +170,14 @@ def _fixed_bytes(block_m: int, num_local_experts: int, numerics: str) -> int:
 def smem_bytes(block_m: int, num_stages: int, num_local_experts: int, numerics: str = DEFAULT_NUMERICS) -> int:
     """Dynamic shared memory one CTA needs, in bytes.
 
-    num_stages pipeline stages (A tile, B tile, the A rows' token scales, padded to 1024 bytes so every
-    stage's tiles stay aligned for the TMA swizzle) plus the fixed part: 1024 bytes of
-    mbarriers, the cross-warp amax exchange (double-buffered, 2 * 8 * block_m float32),
-    3 int32 tables per local expert, from BLOCK_M 64 up in fast numerics the epilogues' quad exchange
-    lines (8 math warps x 8 rows x 64 bytes; the swap-AB tiers below 64 have none), in exact mode two (k-block parity) L1 token scale
-    vectors (block_m float32) and FP16 copies of the L1 token tile (block_m * 128 * 2
-    bytes), and 1024 bytes of slack to align the dynamic shared memory base.
+    num_stages pipeline stages (A tile, B tile, the A rows' token scales, padded to 1024
+    bytes so every stage's tiles stay aligned for the TMA swizzle) plus the fixed part: 1024
+    bytes of mbarriers, the cross-warp amax exchange (double-buffered, 2 * 8 * block_m
+    float32), 3 int32 tables per local expert, in fast numerics from BLOCK_M 64 up the
+    epilogues' quad exchange lines (8 math warps x 8 rows x 64 bytes; the swap-AB tiers below
+    64 have none), in exact mode two (k-block parity) L1 token scale vectors (block_m
+    float32) and FP16 copies of the L1 token tile (block_m * 128 * 2 bytes), and 1024 bytes
+    of slack to align the dynamic shared memory base.
     """
     _check_tier(block_m)
     _check_local_experts(num_local_experts)
