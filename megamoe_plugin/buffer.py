@@ -16,6 +16,9 @@ Per rank, in order (every region 256-byte aligned):
   l1_done     [ceil(P / MIN_BLOCK_M)] i32: per m-block of the pool, how many L1 tiles have stored
               their act rows; an L2 tile of that m-block starts when all have (no grid
               barrier between L1 and L2). Zeroed by the kernel at exit.
+  rows_arrived [ceil(P / MIN_BLOCK_M)] i32: per m-block of the pool, how many of its rows the
+              pull has copied; an L1 tile starts when all have (fast numerics: no grid barrier
+              between the pull and L1). Zeroed by the kernel at exit.
   L1 pool     pool_x [P, H] fp8, pool_sf [H/128, P] f32 (MN-major for TMA),
               pool_weight [P] f32, pool_src [P, 2] i32 (source rank, token*K + slot)
   L2 pool     act [P, I] fp8, act_sf [I/128, P] f32
@@ -139,6 +142,7 @@ class BufferLayout:
             # One counter per m-block of the smallest BLOCK_M tier: P >= every entry plus
             # POOL_ALIGN_M - 1 rows per expert that has any, so P / MIN_BLOCK_M >= any routing's m-blocks.
             ("l1_done", (_round_up(p, MIN_BLOCK_M) // MIN_BLOCK_M,), torch.int32),
+            ("rows_arrived", (_round_up(p, MIN_BLOCK_M) // MIN_BLOCK_M,), torch.int32),
             ("pool_x", (p, h), torch.float8_e4m3fn),
             ("pool_sf", (h // 128, p), torch.float32),
             ("pool_weight", (p,), torch.float32),

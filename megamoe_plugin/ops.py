@@ -42,6 +42,7 @@ _ERROR_NAMES = {
     3: "TMA pipeline 'full' barrier (loads never completed)",
     4: "TMA pipeline 'empty' barrier (math warpgroups stopped consuming)",
     5: "L1 rows of an m-block (an L2 tile waited for the L1 tiles that write its act rows)",
+    6: "pulled rows of an m-block (an L1 tile waited for the pull of its tokens into the pool)",
 }
 # Where HostWords::error keeps the rank and the kernel tag (csrc/megamoe/params.h).
 _ERROR_RANK_SHIFT = 8

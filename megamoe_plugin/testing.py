@@ -77,7 +77,7 @@ def random_inputs(num_tokens: int, hidden: int, num_experts: int, num_topk: int,
 
 
 # Counters a call zeroes at its end, so one stopped early (_stop_after_phase) leaves them set.
-SELF_CLEANING_REGIONS = ("send_count", "send_cursor", "l1_done")
+SELF_CLEANING_REGIONS = ("send_count", "send_cursor", "l1_done", "rows_arrived")
 
 
 def reset_after_stopped_call(buf) -> None:

@@ -1,5 +1,6 @@
 """The symmetric buffer's regions hold every routing docs/design.md section 2 allows: the pool
-rows of the worst case, and one L1 arrival counter (l1_done) per m-block of the pool."""
+rows of the worst case, and the two arrival counters of every m-block of the pool: its L1 tiles
+(l1_done) and its pulled rows (rows_arrived)."""
 import itertools
 
 import pytest
@@ -24,7 +25,8 @@ def test_regions_hold_the_worst_routing(ranks, experts, tokens, topk):
     shape = BufferShape(ranks, experts, tokens, topk, 256, 128)
     layout = BufferLayout(shape)
     assert layout.regions["pool_x"].shape[0] == shape.pool_capacity >= shape.num_max_recv_entries
-    assert layout.regions["l1_done"].shape[0] >= _m_block_bound(shape, MIN_BLOCK_M)
+    for counters in ("l1_done", "rows_arrived"):
+        assert layout.regions[counters].shape[0] >= _m_block_bound(shape, MIN_BLOCK_M)
     regions = sorted(layout.regions.values(), key=lambda r: r.offset)
     for a, b in zip(regions, regions[1:]):
         assert a.offset + a.nbytes <= b.offset  # no overlap

@@ -67,19 +67,20 @@ __device__ void combine_tokens(const KernelParams& p, uint8_t* base) {
   }
 }
 
-// Zeroes the send-side counters and the m-blocks' L1 arrival counters for the next call
-// (peers finished reading the former, and this rank's L2 tiles the latter, before the
-// last cross-rank barrier).
+// Zeroes the send-side counters and the m-blocks' arrival counters (L1 tiles, pulled rows) for
+// the next call (peers finished reading the former, and this rank's L1 and L2 tiles the
+// latter, before the last cross-rank barrier).
 template <class Cfg>
 __device__ void reset_workspace(const KernelParams& p, uint8_t* base, const ExpertTables& tables) {
   int* send_count = reinterpret_cast<int*>(base + p.off.send_count);
   int* send_cursor = reinterpret_cast<int*>(base + p.off.send_cursor);
   int* l1_done = reinterpret_cast<int*>(base + p.off.l1_done);
+  int* rows_arrived = reinterpret_cast<int*>(base + p.off.rows_arrived);
   const int stride = gridDim.x * blockDim.x;
   for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < Cfg::kNumExperts; e += stride)
     send_count[e] = 0, send_cursor[e] = 0;
   for (int gm = blockIdx.x * blockDim.x + threadIdx.x; gm < tables.mblk_prefix[Cfg::kNumLocalExperts]; gm += stride)
-    l1_done[gm] = 0;
+    l1_done[gm] = 0, rows_arrived[gm] = 0;
 }
 
 }  // namespace megamoe

@@ -38,6 +38,9 @@ struct KernelConfig {
   static constexpr int kWgHalves = kBlockM == 128 ? 2 : 1;
   static constexpr bool kRebalanceRegisters = kBlockM == 128;
   static constexpr int kEntryRegisters = 168;  // 65536 / 384, in setmaxnreg's steps of 8
+  // 232 x 256 + 40 x 128 = 168 x 384, the CTA's registers at launch: setmaxnreg moves registers
+  // within that pool, and a larger sum leaves the math warps' increase waiting forever (48 here
+  // hung every BLOCK_M 128 call). The math warpgroups spill below 232.
   static constexpr int kMathRegisters = 232;
   static constexpr int kProducerRegisters = 40;
   // The epilogues' per-row loads go out before the main loop where the registers allow
@@ -52,6 +55,13 @@ struct KernelConfig {
   // (kernel.cuh). Measured 1.6-4% faster at 1-32 tokens (docs/results round 8). At BLOCK_M 64
   // it was 1-3% slower (round 7) and makes ptxas spill, so that tier keeps the barrier.
   static constexpr bool kL2TrailsL1 = kBlockM < 64;
+  // L1 tiles start when the rows of their m-block are in the pool (rows_arrived, scheduler.cuh),
+  // not after a grid barrier: every warp pulls kPullHeadRowsPerWarp rows before the GEMM phases
+  // (all of a decode call's rows), and the producer warpgroup's warps 1-3, idle in fast L1, pull
+  // the rest while the L1 tiles run (kernel.cuh). Exact L1's warps 1-3 convert tokens instead, so
+  // that mode pulls every row before a grid barrier.
+  static constexpr bool kPullDuringL1 = !kExactL1;
+  static constexpr int kPullHeadRowsPerWarp = 2;
   static constexpr int kSwapSubTiles = 2;  // m64 sub-tiles per warpgroup in swap-AB
   // Accumulator floats per math thread: 2 sub-tiles of m64nBLOCK_M (swap-AB), m64n128 (BLOCK_M 64)
   // or two m64n128 halves (BLOCK_M 128): BLOCK_M in every case.
@@ -103,8 +113,9 @@ struct KernelConfig {
   static_assert(kHidden % 128 == 0 && kInter % 128 == 0, "H and I must be multiples of 128");
   static_assert(kBlockM == 8 || kBlockM == 16 || kBlockM == 32 || kBlockM == 64 || (kBlockM == 128 && !kExactL1),
                 "this kernel implements BLOCK_M 8, 16, 32, 64, and 128 in fast numerics");
-  static_assert(!kRebalanceRegisters || kProducerRegisters * 128 + kMathRegisters * kNumMathThreads <= 65536,
-                "register rebalancing over the SM's register file");
+  static_assert(!kRebalanceRegisters ||
+                    kProducerRegisters * 128 + kMathRegisters * kNumMathThreads <= kEntryRegisters * kNumThreads,
+                "register rebalancing within the CTA's registers at launch (setmaxnreg's pool)");
   static_assert(!kRebalanceRegisters || (!kL2TrailsL1 && !kExactL1 && !kFp8SwapAB),
                 "a rebalanced tier's GEMM waits must all unwind (pipeline.cuh gemm_wait): only mma_tile's do");
   static_assert(kNumExperts % kNumRanks == 0, "E must be a multiple of R");

@@ -167,49 +167,101 @@ __device__ __forceinline__ int last_le(const int* sorted, int n, int value) {
   return lo;
 }
 
-// Receive side, step 2: one warp per pool row copies the token (H fp8 bytes), its
-// scales, routing weight and origin from the source rank.
+// Receive side, step 2: one warp copies pool row `row` (the `list_pos`-th entry of
+// `src_rank`'s send list): the token (H fp8 bytes), its scales, routing weight and origin.
+// kBatch 16-byte loads per lane are in flight before any store; kUnrolled: the batches too (more
+// loads in flight, more registers).
+template <class Cfg, int kBatch, bool kUnrolled>
+__device__ __forceinline__ void pull_row(const KernelParams& p, uint8_t* base, int row, int src_rank, int list_pos) {
+  constexpr int H = Cfg::kHidden, K = Cfg::kTopk, kNumSf = H / 128, kVecs = H / 16;
+  const int lane = threadIdx.x % 32;
+  const uint8_t* peer = p.peer_base[src_rank];
+  const int entry = __ldcg(reinterpret_cast<const int*>(peer + p.off.send_list) + list_pos);
+  const int token = entry / K;
+  const uint4* src_x = reinterpret_cast<const uint4*>(peer + p.off.x + (int64_t)token * H);
+  uint4* dst_x = reinterpret_cast<uint4*>(base + p.off.pool_x + (int64_t)row * H);
+#pragma unroll(kUnrolled ? 64 : 1)
+  for (int v0 = 0; v0 < kVecs; v0 += 32 * kBatch) {
+    uint4 chunk[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+      if (v0 + 32 * b + lane < kVecs) chunk[b] = __ldcg(src_x + v0 + 32 * b + lane);
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+      if (v0 + 32 * b + lane < kVecs) dst_x[v0 + 32 * b + lane] = chunk[b];
+  }
+  const float* src_sf = reinterpret_cast<const float*>(peer + p.off.x_sf) + (int64_t)token * kNumSf;
+  float* pool_sf = reinterpret_cast<float*>(base + p.off.pool_sf);
+  for (int g = lane; g < kNumSf; g += 32) pool_sf[(int64_t)g * p.pool_capacity + row] = __ldcg(src_sf + g);
+  if (lane == 0) {
+    reinterpret_cast<float*>(base + p.off.pool_weight)[row] =
+        __ldcg(reinterpret_cast<const float*>(peer + p.off.topk_weights) + entry);
+    reinterpret_cast<int2*>(base + p.off.pool_src)[row] = make_int2(src_rank, entry);
+  }
+}
+
+// After a warp's pull_row: counts the row into rows_arrived[its m-block] for the L1 tiles that
+// wait on it (scheduler.cuh pulled_rows_ready). Each lane fences its stores for the tiles' TMA
+// and at GPU scope; the warp barrier orders them before lane 0's release.
+template <class Cfg>
+__device__ __forceinline__ void publish_pulled_row(const KernelParams& p, uint8_t* base, const ExpertTables& t,
+                                                   int el, int row) {
+  fence_generic_to_async();
+  __threadfence();
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) {
+    const int gm = t.mblk_prefix[el] + (row - t.exp_start[el]) / Cfg::kBlockM;
+    red_add_release_gpu(reinterpret_cast<int*>(base + p.off.rows_arrived) + gm, 1);
+  }
+}
+
+// The pool's rows, all experts' (pool row order; tiles overhang into the next expert's rows).
+__device__ __forceinline__ int pool_rows(const ExpertTables& t, int num_local_experts) {
+  return t.exp_start[num_local_experts - 1] + t.exp_count[num_local_experts - 1];
+}
+
+// Pool rows [0, row_end) by every warp of the grid, before the GEMM phases, with the layout's
+// per-(expert, source rank) counts and offsets from shared memory. Where L1 tiles wait for their
+// rows (Cfg::kPullDuringL1) each row is published.
 template <class Cfg>
 __device__ void dispatch_pull(const KernelParams& p, uint8_t* base, const ExpertTables& t, const int* src_count,
-                              const int* src_offset) {
-  constexpr int R = Cfg::kNumRanks, EL = Cfg::kNumLocalExperts, H = Cfg::kHidden, K = Cfg::kTopk;
-  constexpr int kNumSf = H / 128;
-  const int total_rows = t.exp_start[EL - 1] + t.exp_count[EL - 1];
-  const int lane = threadIdx.x % 32;
+                              const int* src_offset, int row_end) {
+  constexpr int R = Cfg::kNumRanks, EL = Cfg::kNumLocalExperts;
   const int num_warps = gridDim.x * Cfg::kNumWarps;
-  uint8_t* pool_x = base + p.off.pool_x;
-  float* pool_sf = reinterpret_cast<float*>(base + p.off.pool_sf);
-  float* pool_weight = reinterpret_cast<float*>(base + p.off.pool_weight);
-  int2* pool_src = reinterpret_cast<int2*>(base + p.off.pool_src);
-
-  for (int row = blockIdx.x * Cfg::kNumWarps + threadIdx.x / 32; row < total_rows; row += num_warps) {
+  for (int row = blockIdx.x * Cfg::kNumWarps + threadIdx.x / 32; row < row_end; row += num_warps) {
     const int el = last_le(t.exp_start, EL, row);
     int j = row - t.exp_start[el], s = 0;
     while (j >= src_count[el * R + s]) j -= src_count[el * R + s++];
-    const uint8_t* peer = p.peer_base[s];
-    const int entry = __ldcg(reinterpret_cast<const int*>(peer + p.off.send_list) + src_offset[el * R + s] + j);
-    const int token = entry / K;
+    pull_row<Cfg, 8, true>(p, base, row, s, src_offset[el * R + s] + j);
+    if constexpr (Cfg::kPullDuringL1) publish_pulled_row<Cfg>(p, base, t, el, row);
+  }
+}
 
-    const uint4* src_x = reinterpret_cast<const uint4*>(peer + p.off.x + (int64_t)token * H);
-    uint4* dst_x = reinterpret_cast<uint4*>(pool_x + (int64_t)row * H);
-    // Batches of kBatch 16-byte loads per lane are in flight before any store.
-    constexpr int kVecs = H / 16, kBatch = 8;
-#pragma unroll
-    for (int v0 = 0; v0 < kVecs; v0 += 32 * kBatch) {
-      uint4 chunk[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-        if (v0 + 32 * b + lane < kVecs) chunk[b] = __ldcg(src_x + v0 + 32 * b + lane);
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-        if (v0 + 32 * b + lane < kVecs) dst_x[v0 + 32 * b + lane] = chunk[b];
+// Pool rows [first_row, end) while the L1 tiles run (Cfg::kPullDuringL1): warp `worker` of
+// `num_workers` over the grid. The layout's scratch is the pipeline stages by now, so the
+// source ranks' counts and offsets come from their send side (unchanged until the call's
+// last rank barrier). Two loads in flight per lane, one batch at a time: these warps run at the
+// producer warpgroup's register budget (Cfg::kProducerRegisters at BLOCK_M 128), where four
+// spilled.
+template <class Cfg>
+__device__ void pull_rows_during_l1(const KernelParams& p, uint8_t* base, const ExpertTables& t, int first_row,
+                                    int worker, int num_workers) {
+  constexpr int EL = Cfg::kNumLocalExperts;
+  const int row_end = pool_rows(t, EL);
+  for (int row = first_row + worker; row < row_end; row += num_workers) {
+    // The regions' addresses are formed anew in each row: hoisted out of the loop they were a
+    // dozen 64-bit values live through it, which spilled at the producer's register budget.
+    asm volatile("" : "+l"(base));
+    const int el = last_le(t.exp_start, EL, row);
+    const int e = p.rank * EL + el;  // global expert
+    int j = row - t.exp_start[el], s = 0;
+    for (;; ++s) {  // the expert's rows come source rank by source rank
+      const int count = __ldcg(reinterpret_cast<const int*>(p.peer_base[s] + p.off.send_count) + e);
+      if (j < count) break;
+      j -= count;
     }
-    const float* src_sf = reinterpret_cast<const float*>(peer + p.off.x_sf) + (int64_t)token * kNumSf;
-    for (int g = lane; g < kNumSf; g += 32) pool_sf[(int64_t)g * p.pool_capacity + row] = __ldcg(src_sf + g);
-    if (lane == 0) {
-      pool_weight[row] = __ldcg(reinterpret_cast<const float*>(peer + p.off.topk_weights) + entry);
-      pool_src[row] = make_int2(s, entry);
-    }
+    pull_row<Cfg, 2, false>(p, base, row, s, __ldcg(reinterpret_cast<const int*>(p.peer_base[s] + p.off.send_offset) + e) + j);
+    publish_pulled_row<Cfg>(p, base, t, el, row);
   }
 }
 

@@ -6,17 +6,20 @@
 // pool rows [64w, 64w + 64) and all 256 weight rows, with registers moved from warpgroup 0 for
 // the GEMM phases; config.cuh). All warps take part in dispatch, pull and combine.
 //
-// Phases of one call (barrier between each; every wait bounded, see sync.cuh):
+// Phases of one call (every wait bounded, see sync.cuh):
 //   1 count     this rank's entries per expert                       -> grid_sync
 //   2 list      send list grouped by expert                          -> rank_sync
 //   3 layout    read peers' counts for local experts, pool layout (per CTA, smem)
-//   4 pull      copy routed tokens from their ranks into the L1 pool -> grid_sync
+//   4 pull      copy routed tokens from their ranks into the L1 pool -> rows_arrived[m-block] in
+//                                                                       fast numerics, else grid_sync
 //   5 L1        gate/up GEMM, SwiGLU x weight, FP8 requant -> act    -> l1_done[m-block] at
 //                                                                       BLOCK_M < 64, else grid_sync
 //   6 L2        down GEMM, BF16 rows scattered to the token's rank   -> rank_sync
-//   7 combine   sum each token's slots into y; reset send counters and l1_done
-// At BLOCK_M < 64 L2 tiles trail L1 tiles: an L2 tile waits for the L1 tiles of its m-block
-// only (arrival counters in l1_done, scheduler.cuh); the other phases are separated by barriers.
+//   7 combine   sum each token's slots into y; reset send counters and both arrival counters
+// In fast numerics L1 tiles trail the pull: the grid pulls the first rows before L1 and the
+// producer warpgroup's warps 1-3 the rest during it, and an L1 tile waits for the rows of its
+// m-block only (rows_arrived, scheduler.cuh). At BLOCK_M < 64 L2 tiles trail L1 tiles the same
+// way (l1_done). The other phases are separated by barriers.
 //
 // Named barriers: 0 = __syncthreads, 1 = math warpgroups' amax exchange.
 // mbarriers: full[s] / empty[s] per pipeline stage, tok_full[b] / tok_empty[b] per L1 token
@@ -99,6 +102,12 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
         clock.mainloop_done();
         l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
       } else {
+        // The routing weights load at the tile's start where Cfg::kEarlyEpilogueRows, so before
+        // any of the tile's stages: the rows must have been pulled (elsewhere the stages' full
+        // barriers order the epilogue's loads after the producer's wait for them).
+        if constexpr (Cfg::kPullDuringL1 && Cfg::kEarlyEpilogueRows) {
+          if (!__all_sync(0xffffffffu, wait_pulled_rows<Cfg>(p, base, tables, t))) return false;
+        }
         const auto weights = EpilogueRows<Cfg, false>::at_tile_start(p, base, tables, t, wg, fc);
         if (!mma_tile<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sf_skew, acc, weight_scales,
                                                clock.full_wait))
@@ -212,17 +221,28 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   rank_sync<Cfg::kNumRanks>(p, signals, rounds_before + 1);
   if (p.stop_after_phase == 2) return;
 
-  // 3-4: receive side.
+  // 3-4: receive side. Where L1 tiles wait for their own rows (Cfg::kPullDuringL1) the grid pulls
+  // the first pull_head_rows here and the producer warpgroup's warps 1-3 the rest during L1; with
+  // the phase stop after the pull (or in exact numerics) every row comes first, then a grid barrier.
+  const bool pull_all_first = !Cfg::kPullDuringL1 || p.stop_after_phase == 4;
+  const auto pull_head_rows = [&] {
+    const int rows = pool_rows(tables, Cfg::kNumLocalExperts);
+    return pull_all_first ? rows : min(rows, (int)gridDim.x * Cfg::kNumWarps * Cfg::kPullHeadRowsPerWarp);
+  };
   {
     constexpr int kPairs = Cfg::kNumLocalExperts * Cfg::kNumRanks;
     int* src_count = scratch;
     int* src_offset = scratch + kPairs;
     int* scan_scratch = scratch + 2 * kPairs;
     dispatch_layout<Cfg>(p, tables, src_count, src_offset, scan_scratch);
-    dispatch_pull<Cfg>(p, base, tables, src_count, src_offset);
+    dispatch_pull<Cfg>(p, base, tables, src_count, src_offset, pull_head_rows());
   }
-  fence_generic_to_async();
-  grid_sync(p, signals);  // also frees the scratch for the pipeline stages
+  if (pull_all_first) {
+    fence_generic_to_async();
+    grid_sync(p, signals);
+  } else {
+    __syncthreads();  // the scratch becomes the pipeline stages
+  }
   if (p.stop_after_phase == 4) return;
 
   // 5-6: GEMMs: the L1 tiles, then the L2 tiles, dealt round-robin as one sequence (L2
@@ -232,13 +252,15 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   // that ends its L1 share early starts on L2 tiles; at BLOCK_M 64 and 128 a grid barrier comes first.
   PipelineState ps;
   int parity = 0;
-  const bool is_producer = Role::producer_warp() && cute::elect_one_sync();
   const TileScheduler<Cfg> l1_sched{tables, Cfg::kL1NumNBlocks}, l2_sched{tables, Cfg::kL2NumNBlocks};
   gemm_roles<Cfg>(
       [&] {
-        if (is_producer) return produce_tiles<Cfg, false>(p, base, l1_sched, blockIdx.x, sv, full, empty, ps);
+        if (Role::tma_issuer()) return produce_tiles<Cfg, false>(p, base, l1_sched, blockIdx.x, sv, full, empty, ps);
         if constexpr (Cfg::kExactL1) {
           if (Role::converter()) convert_l1_tokens<Cfg>(p, l1_sched, sv, full, tok_full, tok_empty);
+        } else if (Role::puller() && !pull_all_first) {
+          pull_rows_during_l1<Cfg>(p, base, tables, pull_head_rows(), blockIdx.x * Role::kNumPullerWarps + Role::puller_warp(),
+                                   gridDim.x * Role::kNumPullerWarps);
         }
         return true;
       },
@@ -255,7 +277,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   // the register-rebalanced regions, and ptxas spills such values at the region boundaries.
   const auto l2_first = [&] { return (blockIdx.x + gridDim.x - l1_sched.num_tiles() % gridDim.x) % gridDim.x; };
   gemm_roles<Cfg>(
-      [&] { return !is_producer || produce_tiles<Cfg, true>(p, base, l2_sched, l2_first(), sv, full, empty, ps); },
+      [&] { return !Role::tma_issuer() || produce_tiles<Cfg, true>(p, base, l2_sched, l2_first(), sv, full, empty, ps); },
       [&] {
         return math_phase<Cfg, true>(p, base, tables, l2_first(), sv, full, empty, tok_full, tok_empty, ps,
                                      amax_exchange, parity);

@@ -17,6 +17,7 @@ enum ErrorCode : uint32_t {
   kErrPipelineFullTimeout = 3,
   kErrPipelineEmptyTimeout = 4,
   kErrL1RowsTimeout = 5,
+  kErrPulledRowsTimeout = 6,
 };
 
 // What kernels report to the host, in host-mapped memory (one per process, runtime.cpp).
@@ -40,7 +41,7 @@ constexpr uint32_t kMaxKernelTag = 0xFFFF;
 // Byte offsets of the symmetric-buffer regions (megamoe_plugin/buffer.py defines them).
 struct BufferOffsets {
   int64_t x, x_sf, topk_idx, topk_weights;
-  int64_t send_count, send_cursor, send_offset, send_list, signals, l1_done;
+  int64_t send_count, send_cursor, send_offset, send_list, signals, l1_done, rows_arrived;
   int64_t pool_x, pool_sf, pool_weight, pool_src;
   int64_t act, act_sf, combine;
 };

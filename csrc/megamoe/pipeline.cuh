@@ -46,17 +46,26 @@ __device__ __forceinline__ bool gemm_wait(const KernelParams& p, uint64_t* bar, 
   }
 }
 
-// Claims the next stage for one k-block of a GEMM phase (A + B bytes, and the token scales where
-// the phase stages them, expected on its full barrier); null after a timeout (gemm_wait).
+// The producer's arrival on stage ps's full barrier, with the bytes one k-block of a GEMM phase
+// brings (A + B, and the token scales where the phase stages them). Loads into the stage may
+// complete before it (the barrier's tx-count goes negative meanwhile, which PTX allows): the
+// phase cannot complete while this arrival is pending.
 template <class Cfg, bool kIsL2>
-__device__ __forceinline__ uint64_t* claim_stage(const KernelParams& p, uint64_t* full, uint64_t* empty,
-                                                 const PipelineState& ps) {
-  if (!gemm_wait<Cfg>(p, &empty[ps.stage], ps.phase ^ 1, kErrPipelineEmptyTimeout)) return nullptr;
+__device__ __forceinline__ uint64_t* arm_stage(uint64_t* full, const PipelineState& ps) {
   uint64_t* bar = &full[ps.stage];
   constexpr int kScaleBytes = Cfg::stages_token_scales(kIsL2) ? Cfg::kStageScaleBytes : 0;
   cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared, bar,
                                        Cfg::kStageA + Cfg::kStageB + kScaleBytes);
   return bar;
+}
+
+// Claims the next stage for one k-block: waits until it is empty and arms it (arm_stage); null
+// after a timeout (gemm_wait).
+template <class Cfg, bool kIsL2>
+__device__ __forceinline__ uint64_t* claim_stage(const KernelParams& p, uint64_t* full, uint64_t* empty,
+                                                 const PipelineState& ps) {
+  if (!gemm_wait<Cfg>(p, &empty[ps.stage], ps.phase ^ 1, kErrPipelineEmptyTimeout)) return nullptr;
+  return arm_stage<Cfg, kIsL2>(full, ps);
 }
 
 // The first row of a tile's staged token scales, row_a rounded down to 16 bytes (a bulk copy's
@@ -81,8 +90,11 @@ __device__ __forceinline__ void load_a(const KernelParams& p, const StageView<Cf
 // TMA producer for one GEMM phase, tiles first_tile, first_tile + gridDim.x, ...; false after a
 // pipeline timeout (gemm_wait).
 // A rows come from the pool (expert's rows), B rows from the weights (expert's block).
-// The A rows' token scales come with them (load_a; exact L1's converters read theirs). An L2 tile whose act rows are not ready
-// yet first streams the weights of as many k-blocks as there are stages, then waits.
+// The A rows' token scales come with them (load_a; exact L1's converters read theirs). A tile whose
+// A rows are not ready yet (L1: not yet pulled, Cfg::kPullDuringL1; L2: act rows not yet stored by
+// L1, Cfg::kL2TrailsL1) first streams the weights of as many k-blocks as there are stages, then
+// waits (acquire), and only then arms those stages: the math warps' wait on a stage then orders
+// their own reads of what the pull or L1 wrote (the L1 epilogue's routing weights) after it.
 template <class Cfg, bool kIsL2>
 __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileScheduler<Cfg>& sched, int first_tile,
                               const StageView<Cfg>& sv, uint64_t* full, uint64_t* empty, PipelineState& ps) {
@@ -100,18 +112,24 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
     const int row_a = sched.tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
     const int row_b = t.expert * kRowsPerExpert + t.n_block * Cfg::kBlockN;
     int kb = 0;
-    if constexpr (kIsL2 && Cfg::kL2TrailsL1) {
+    if constexpr (kIsL2 ? Cfg::kL2TrailsL1 : Cfg::kPullDuringL1) {
       const int gm = global_m_block<Cfg>(sched.tables, t);
-      if (!l1_rows_ready<Cfg>(l1_done, gm)) {
+      const bool ready = kIsL2 ? l1_rows_ready<Cfg>(l1_done, gm) : pulled_rows_ready<Cfg>(p, base, sched.tables, t);
+      if (!ready) {
         PipelineState ahead = ps;
         for (int i = 0; i < kPrefetch; ++i) {
-          tma_load_2d(sv.b(ahead.stage), tmap_b, i * Cfg::kBlockK, row_b, claim_stage<Cfg, kIsL2>(p, full, empty, ahead));
+          if (!gemm_wait<Cfg>(p, &empty[ahead.stage], ahead.phase ^ 1, kErrPipelineEmptyTimeout)) return false;
+          tma_load_2d(sv.b(ahead.stage), tmap_b, i * Cfg::kBlockK, row_b, &full[ahead.stage]);
           ahead.advance<Cfg::kNumStages>();
         }
-        wait_l1_rows<Cfg>(p, l1_done, gm);
+        if constexpr (kIsL2) {
+          wait_l1_rows<Cfg>(p, l1_done, gm);
+        } else {
+          if (!wait_pulled_rows<Cfg>(p, base, sched.tables, t)) return false;
+        }
         fence_generic_to_async();
         for (; kb < kPrefetch; ++kb) {
-          load_a<Cfg, kIsL2>(p, sv, ps.stage, tmap_a, sf_pool, kb, row_a, &full[ps.stage]);
+          load_a<Cfg, kIsL2>(p, sv, ps.stage, tmap_a, sf_pool, kb, row_a, arm_stage<Cfg, kIsL2>(full, ps));
           ps.advance<Cfg::kNumStages>();
         }
       } else {

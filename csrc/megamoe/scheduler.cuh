@@ -1,7 +1,8 @@
 // The GEMM phases' tile schedule: static round-robin of (expert, m-block, n-block) tiles over
 // CTAs, n-major inside an expert so neighbouring CTAs share the weight tile in L2 cache; the
-// pipeline position each role carries from tile to tile; and the l1_done counters by which an L2
-// tile trails its m-block's L1 tiles (BLOCK_M < 64).
+// pipeline position each role carries from tile to tile; the rows_arrived counters by which an L1
+// tile waits for the pull of its m-block's rows (Cfg::kPullDuringL1); and the l1_done counters by
+// which an L2 tile trails its m-block's L1 tiles (BLOCK_M < 64).
 #pragma once
 
 #include "config.cuh"
@@ -60,6 +61,33 @@ __device__ __forceinline__ bool l1_rows_ready(const int* l1_done, int gm) {
 template <class Cfg>
 __device__ __forceinline__ void wait_l1_rows(const KernelParams& p, const int* l1_done, int gm) {
   bounded_wait(p, kErrL1RowsTimeout, [&] { return l1_rows_ready<Cfg>(l1_done, gm); }, 2);
+}
+
+// L1 tiles wait for the pull (Cfg::kPullDuringL1): each pulled row adds 1 to rows_arrived[its
+// m-block] (dispatch.cuh publish_pulled_row), and an L1 tile loads its A rows once all of its
+// m-block's valid rows have come. The rows past them (the next expert's, which the tile reads
+// but never stores) may still be in flight: GEMM rows are independent. The pull waits on
+// nothing, so every wait ends.
+template <class Cfg>
+__device__ __forceinline__ bool pulled_rows_ready(const KernelParams& p, const uint8_t* base,
+                                                  const ExpertTables& tables, const Tile& t) {
+  const int rows = min(Cfg::kBlockM, tables.exp_count[t.expert] - t.m_block * Cfg::kBlockM);
+  return ld_acquire_gpu(reinterpret_cast<const int*>(base + p.off.rows_arrived) + global_m_block<Cfg>(tables, t)) >=
+         rows;
+}
+
+// Bounded wait for an L1 tile's pulled rows; false after a timeout where the tier's waits unwind
+// (pipeline.cuh gemm_wait says why), else it traps.
+template <class Cfg>
+__device__ __forceinline__ bool wait_pulled_rows(const KernelParams& p, const uint8_t* base,
+                                                 const ExpertTables& tables, const Tile& t) {
+  const auto ready = [&] { return pulled_rows_ready<Cfg>(p, base, tables, t); };
+  if constexpr (Cfg::kRebalanceRegisters) {
+    return poll_bounded(p, kErrPulledRowsTimeout, ready);
+  } else {
+    bounded_wait(p, kErrPulledRowsTimeout, ready);
+    return true;
+  }
 }
 
 }  // namespace megamoe

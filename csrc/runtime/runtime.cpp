@@ -189,9 +189,9 @@ int make_params(const std::vector<uint64_t>& peer_ptrs, int rank, const std::map
   // In BufferOffsets' field order (params.h).
   p->off = {off("x"),           off("x_sf"),        off("topk_idx"),  off("topk_weights"),
             off("send_count"),  off("send_cursor"), off("send_offset"), off("send_list"),
-            off("signals"),     off("l1_done"),     off("pool_x"),    off("pool_sf"),
-            off("pool_weight"), off("pool_src"),    off("act"),       off("act_sf"),
-            off("combine")};
+            off("signals"),     off("l1_done"),     off("rows_arrived"), off("pool_x"),
+            off("pool_sf"),     off("pool_weight"), off("pool_src"),  off("act"),
+            off("act_sf"),      off("combine")};
   for (size_t r = 0; r < peer_ptrs.size(); ++r) p->peer_base[r] = reinterpret_cast<uint8_t*>(peer_ptrs[r]);
   const uint64_t base = peer_ptrs[rank];
   const uint64_t P = pool_capacity, H = hidden, I = inter, EL = num_local_experts;

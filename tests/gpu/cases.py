@@ -52,6 +52,8 @@ def _forced_tiers():
 
 
 FORCED_TIERS = _forced_tiers()
+# tests/gpu/test_forced_tiers.py's grid of a few CTAs, where most pool rows are pulled during L1.
+SMALL_GRID_SMS = 4
 FORCED_TIER_SHAPES = [
     Shape(384, 256, 4, 4, 50),
     Shape(2048, 768, 8, 128, 64),
@@ -100,6 +102,9 @@ def variants():
         for numerics, block_m in FORCED_TIERS:
             out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132,
                                  forced_block_m=block_m, numerics_modes=(numerics,))
+            if numerics == "fast":
+                out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens,
+                                     SMALL_GRID_SMS, (True,), forced_block_m=block_m, numerics_modes=(numerics,))
     for s in SHAPES:
         out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132)
     out += call_variants(2, 8, 2, 384, 256, 16, 132 // 2, (True,))  # tests/gpu/test_timeout.py

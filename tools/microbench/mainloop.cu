@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1) served(const __grid_const
   if constexpr (kProducer == Producer::kArrive) fill_stages(sv, a);
   __syncthreads();
   PipelineState ps;
-  const bool is_producer = Role::producer_warp() && cute::elect_one_sync();
+  const bool is_producer = Role::tma_issuer();
   gemm_roles<Cfg>(
       [&] {
         if (!is_producer) return true;
