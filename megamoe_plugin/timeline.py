@@ -16,7 +16,7 @@ from typing import Dict, List
 # layout numbers.
 MAX_TILES = 128  # params.h kTimelineMaxTiles: tiles per CTA and phase with a record
 RECORDS = 1 + 2 * MAX_TILES  # kTimelineRecords: the producer's, then 2 math warpgroups per tile
-WORDS = 6  # kTimelineWords
+WORDS = 7  # kTimelineWords
 PHASES = ("L1", "L2")
 
 
@@ -27,20 +27,23 @@ def summarize(timeline, k_blocks: Dict[str, int]) -> Dict[str, dict]:
     """Per GEMM phase (k_blocks: its k-blocks per tile, e.g. {"L1": H / 128, "L2": I / 128}) of a
     record array (a tensor or nested lists): tiles per CTA, and in SM cycles per tile the main
     loop, its full-stage waits, the epilogue and the gap to the next tile, the main loop per
-    k-block, the producer's empty-stage waits per tile; the SM clock (the producers' cycles per
+    k-block, the producer's empty-stage waits per tile and its waits for the tiles' A rows to
+    arrive (pulled rows in L1, L1's output in trailing L2); the SM clock (the producers' cycles per
     globaltimer ns); in us the phase's span (first producer start to last tile end) and the mean
     time a CTA sits done before the last one finishes. Phases without records are left out."""
     t = timeline.tolist() if hasattr(timeline, "tolist") else timeline
     out = {}
     for ph, name in enumerate(PHASES):
-        mainloop, waits, epilogue, gaps, producer_wait, ends_ns, starts_ns, tiles = [], [], [], [], [], [], [], []
+        mainloop, waits, epilogue, gaps, ends_ns, starts_ns, tiles = [], [], [], [], [], [], []
+        producer_wait, arrival_wait = [], []
         producer_cycles = producer_ns = 0
         for cta in t:
-            empty_wait, count, clk_start, clk_end, ns_start, ns_end = cta[ph][0]
+            empty_wait, count, clk_start, clk_end, ns_start, ns_end, arrivals = cta[ph][0]
             if count == 0:
                 continue
             tiles.append(count)
             producer_wait.append(empty_wait / count)
+            arrival_wait.append(arrivals / count)
             producer_cycles += clk_end - clk_start
             producer_ns += ns_end - ns_start
             starts_ns.append(ns_start)
@@ -48,7 +51,7 @@ def summarize(timeline, k_blocks: Dict[str, int]) -> Dict[str, dict]:
             for wg in range(2):
                 previous_end = None
                 for i in range(min(count, MAX_TILES)):
-                    start, main_end, end, wait, end_ns, _ = cta[ph][1 + 2 * i + wg]
+                    start, main_end, end, wait, end_ns, _, _ = cta[ph][1 + 2 * i + wg]
                     if end_ns == 0:  # not written
                         continue
                     mainloop.append((main_end - start) % WRAP)
@@ -70,6 +73,7 @@ def summarize(timeline, k_blocks: Dict[str, int]) -> Dict[str, dict]:
             "full_wait_cycles": mean(waits), "full_wait_fraction": sum(waits) / max(sum(mainloop), 1),
             "epilogue_cycles": mean(epilogue), "gap_cycles": mean(gaps) if gaps else 0.0,
             "producer_empty_wait_cycles_per_tile": mean(producer_wait),
+            "producer_arrival_wait_cycles_per_tile": mean(arrival_wait),
             "clock_ghz": producer_cycles / producer_ns if producer_ns else 0.0,
             "span_us": (last - min(starts_ns)) / 1e3, "tail_us_mean": mean(last - e for e in ends_ns) / 1e3,
         }
@@ -86,6 +90,7 @@ def format_summary(summary: Dict[str, dict]) -> List[str]:
             f"main loop {us(s['mainloop_cycles']):.2f} us ({s['mainloop_cycles_per_k_block']:.0f} cycles per k-block, "
             f"{100 * s['full_wait_fraction']:.1f}% waiting for loads), epilogue {us(s['epilogue_cycles']):.2f} us, "
             f"gap {us(s['gap_cycles']):.2f} us, producer waiting for free stages "
-            f"{us(s['producer_empty_wait_cycles_per_tile']):.2f} us; span {s['span_us']:.1f} us, CTAs idle at the "
+            f"{us(s['producer_empty_wait_cycles_per_tile']):.2f} us and for its rows to arrive "
+            f"{us(s['producer_arrival_wait_cycles_per_tile']):.2f} us; span {s['span_us']:.1f} us, CTAs idle at the "
             f"end {s['tail_us_mean']:.1f} us on average; SM clock {s['clock_ghz']:.2f} GHz")
     return lines

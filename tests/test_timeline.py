@@ -30,18 +30,19 @@ def _record(t, cta, phase, record, words):
 def test_summary_of_known_records():
     t = torch.zeros(2, len(timeline.PHASES), timeline.RECORDS, timeline.WORDS, dtype=torch.int64)
     # L1 only. CTA 0: two tiles per warpgroup; its producer ran 5000 cycles in 2500 ns (2 GHz) from
-    # ns 1000 and waited 300 cycles for free stages. The second tile's 32-bit clocks wrap.
-    _record(t, 0, 0, 0, [300, 2, 10_000, 15_000, 1000, 3500])
+    # ns 1000, waited 300 cycles for free stages and 400 for its tiles' rows. The second tile's
+    # 32-bit clocks wrap.
+    _record(t, 0, 0, 0, [300, 2, 10_000, 15_000, 1000, 3500, 400])
     wrap = 1 << 32
     for wg in range(2):
         # tile 0: main loop 1000 cycles (100 of them waiting for loads), epilogue 200
-        _record(t, 0, 0, 1 + wg, [wrap - 1500, wrap - 500, wrap - 300, 100, 2000, 0])
+        _record(t, 0, 0, 1 + wg, [wrap - 1500, wrap - 500, wrap - 300, 100, 2000, 0, 0])
         # tile 1 after a 50-cycle gap: main loop 1000 (300 waiting), epilogue 200
-        _record(t, 0, 0, 3 + wg, [wrap - 250, 750, 950, 300, 2600, 0])
+        _record(t, 0, 0, 3 + wg, [wrap - 250, 750, 950, 300, 2600, 0, 0])
     # CTA 1: one tile, its producer from ns 1100, 1000 cycles in 500 ns
-    _record(t, 1, 0, 0, [0, 1, 0, 1000, 1100, 1600])
+    _record(t, 1, 0, 0, [0, 1, 0, 1000, 1100, 1600, 0])
     for wg in range(2):
-        _record(t, 1, 0, 1 + wg, [0, 1000, 1200, 0, 1700, 0])
+        _record(t, 1, 0, 1 + wg, [0, 1000, 1200, 0, 1700, 0, 0])
     s = timeline.summarize(t, {"L1": 10, "L2": 4})
     assert set(s) == {"L1"}
     l1 = s["L1"]
@@ -50,12 +51,14 @@ def test_summary_of_known_records():
     assert l1["epilogue_cycles"] == 200 and l1["gap_cycles"] == 50
     assert l1["full_wait_fraction"] == pytest.approx(800 / 6000)
     assert l1["producer_empty_wait_cycles_per_tile"] == pytest.approx((150 + 0) / 2)
+    assert l1["producer_arrival_wait_cycles_per_tile"] == pytest.approx((200 + 0) / 2)
     assert l1["clock_ghz"] == pytest.approx(6000 / 3000)
     assert l1["span_us"] == pytest.approx((2600 - 1000) / 1e3)
     assert l1["tail_us_mean"] == pytest.approx((0 + (2600 - 1700)) / 2 / 1e3)
     line, = timeline.format_summary(s)
     assert line.startswith("L1: 2 CTAs x 1.5 tiles (max 2)") and "SM clock 2.00 GHz" in line
     assert "main loop 0.50 us (100 cycles per k-block, 13.3% waiting for loads)" in line
+    assert "and for its rows to arrive 0.05 us" in line
 
 
 def test_a_bad_timeline_is_refused_by_name(monkeypatch):
@@ -68,7 +71,7 @@ def test_a_bad_timeline_is_refused_by_name(monkeypatch):
     good = ops.timeline_for(buf)
     assert tuple(good.shape) == (3, 2, timeline.RECORDS, timeline.WORDS) and good.dtype == torch.int64
     for bad, match in ((torch.zeros(2, 2, timeline.RECORDS, timeline.WORDS, dtype=torch.int64),
-                        r"_timeline \(ops.timeline_for\) must have shape \[3, 2, 257, 6\], got \[2, "),
+                        rf"_timeline \(ops.timeline_for\) must have shape \[3, 2, 257, {timeline.WORDS}\], got \[2, "),
                        (good.int(), r"_timeline \(ops.timeline_for\) must be torch.int64"),
                        (good.transpose(2, 3).contiguous().transpose(2, 3), "must be contiguous")):
         with pytest.raises(ValueError, match=match):

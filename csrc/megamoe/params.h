@@ -70,14 +70,15 @@ enum TensorMapIndex : int {
 // MEGAMOE_TIMELINE write (timeline.cuh), laid out as
 // uint64 [CTA][phase: 0 = L1, 1 = L2][kTimelineRecords][kTimelineWords]:
 //   record 0, the producer:        {empty-wait cycles, tiles, clock at start, clock at end,
-//                                   globaltimer at start, globaltimer at end};
+//                                   globaltimer at start, globaltimer at end, arrival-wait cycles
+//                                   (its tiles' waits for pulled rows or L1 rows, scheduler.cuh)};
 //   record 1 + 2 i + w, math warpgroup w's i-th tile (i < kTimelineMaxTiles):
 //                                  {clock at start, clock at main-loop end, clock at epilogue end,
-//                                   full-wait cycles (all four 32-bit), globaltimer at end, 0}.
+//                                   full-wait cycles (all four 32-bit), globaltimer at end, 0, 0}.
 // megamoe_plugin/timeline.py holds the same numbers; the JIT source static_asserts them.
 constexpr int kTimelineMaxTiles = 128;
 constexpr int kTimelineRecords = 1 + 2 * kTimelineMaxTiles;
-constexpr int kTimelineWords = 6;
+constexpr int kTimelineWords = 7;
 
 struct KernelParams {
   const CUtensorMap* tmaps;  // device memory, kNumTmaps entries

@@ -122,11 +122,13 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
           tma_load_2d(sv.b(ahead.stage), tmap_b, i * Cfg::kBlockK, row_b, &full[ahead.stage]);
           ahead.advance<Cfg::kNumStages>();
         }
+        const uint64_t arrival_start = timeline_clock();
         if constexpr (kIsL2) {
           wait_l1_rows<Cfg>(p, l1_done, gm);
         } else {
           if (!wait_pulled_rows<Cfg>(p, base, sched.tables, t)) return false;
         }
+        if constexpr (kTimeline) clock.arrival_wait += timeline_clock() - arrival_start;
         fence_generic_to_async();
         for (; kb < kPrefetch; ++kb) {
           load_a<Cfg, kIsL2>(p, sv, ps.stage, tmap_a, sf_pool, kb, row_a, arm_stage<Cfg, kIsL2>(full, ps));

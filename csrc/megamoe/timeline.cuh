@@ -49,22 +49,23 @@ struct TileClock {
   __device__ void record(const KernelParams& p, int phase, int tile_of_cta, int wg) const {
     if constexpr (kTimeline) {
       if (p.timeline == nullptr || tile_of_cta >= kTimelineMaxTiles || Role::thread_in_warpgroup() != 0) return;
-      const uint64_t w[kTimelineWords] = {start, mainloop_end, tile_clock(), full_wait, timeline_ns(), 0};
+      const uint64_t w[kTimelineWords] = {start, mainloop_end, tile_clock(), full_wait, timeline_ns(), 0, 0};
       timeline_write(p, phase, 1 + 2 * tile_of_cta + wg, w);
     }
   }
 };
 
-// The producer's phase: cycles waiting for empty stages, tiles, span.
+// The producer's phase: cycles waiting for empty stages, tiles, span, and cycles waiting for its
+// tiles' A rows to arrive (pulled rows in L1, L1's output in trailing L2).
 struct ProducerClock {
   uint64_t start = timeline_clock(), start_ns = timeline_ns();
-  uint64_t empty_wait = 0;
+  uint64_t empty_wait = 0, arrival_wait = 0;
   int tiles = 0;
   __device__ void record(const KernelParams& p, int phase) const {
     if constexpr (kTimeline) {
       if (p.timeline == nullptr) return;
       const uint64_t w[kTimelineWords] = {empty_wait, static_cast<uint64_t>(tiles), start, timeline_clock(), start_ns,
-                                          timeline_ns()};
+                                          timeline_ns(), arrival_wait};
       timeline_write(p, phase, 0, w);
     }
   }
