@@ -23,9 +23,9 @@ struct Role {
   __device__ __forceinline__ static bool converter() { return threadIdx.x >= 32; }
   __device__ __forceinline__ static int converter_thread() { return threadIdx.x - 32; }
   // The same warps in fast L1: pullers, one pool row per warp at a time.
-  static constexpr int kNumPullerWarps = 3;
-  __device__ __forceinline__ static bool puller() { return threadIdx.x >= 32; }
-  __device__ __forceinline__ static int puller_warp() { return threadIdx.x / 32 - 1; }
+  static constexpr int kNumPullerWarps = kNumConverterThreads / 32;
+  __device__ __forceinline__ static bool puller() { return converter(); }
+  __device__ __forceinline__ static int puller_warp() { return converter_thread() / 32; }
   // Math warpgroups only (unsigned arithmetic: the divisions stay shifts).
   __device__ __forceinline__ static int math_warpgroup() { return (threadIdx.x - kProducerWarpgroupThreads) / 128; }
   __device__ __forceinline__ static int math_warp() { return (threadIdx.x - kProducerWarpgroupThreads) / 32; }
