@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .fp8 import quantize_per_token_group, quantize_weight_blocks
+from .fp8 import dequantize_per_token_group, dequantize_weight_blocks, quantize_per_token_group, quantize_weight_blocks
 from .weights import transform_weights
 
 ROUTINGS = ("uniform", "masked", "one_expert", "half_empty")
@@ -110,6 +110,13 @@ def fill_buffer(buf, inputs: Dict[str, torch.Tensor]) -> int:
     for name in ("x", "x_sf", "topk_idx", "topk_weights"):
         getattr(buf, name)[:n].copy_(inputs[name])
     return n
+
+
+def float64_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_sf: torch.Tensor) -> torch.Tensor:
+    """One expert's exact L1 output in float64 (the reference's own GEMM is float32): beside the
+    reference, it tells whether a token sits at a requantization code boundary, where float32's
+    summation order alone moves a code (tools/l1_noise_sensitivity.py adds noise to it)."""
+    return dequantize_per_token_group(x, x_sf).double() @ dequantize_weight_blocks(w, w_sf).double().T
 
 
 def fp8_tensor_core_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_sf: torch.Tensor,

@@ -425,3 +425,10 @@ def test_l1_gemm_hook_replaces_step_one_only():
     assert torch.equal(mega_moe(ranks, [layer.checkpoint], 4, l1_gemm=exact)[0], base)
     doubled = mega_moe(ranks, [layer.checkpoint], 4, l1_gemm=lambda *a: 2 * exact(*a))[0]
     assert not torch.equal(doubled, base)
+    # testing.float64_l1 is the same GEMM, only more precise: off by float32 rounding, no more.
+    from megamoe_plugin.testing import float64_l1
+    x, x_sf = inputs["x"], inputs["x_sf"]
+    w, w_sf = layer.checkpoint["w13"][0], layer.checkpoint["w13_scale"][0]
+    h64 = float64_l1(x, x_sf, w, w_sf)
+    assert h64.dtype == torch.float64
+    assert torch.allclose(h64, exact(x, x_sf, w, w_sf).double(), rtol=1e-5, atol=1e-5 * float(h64.abs().max()))

@@ -12,8 +12,7 @@ import sys
 import torch
 
 from megamoe_plugin import reference
-from megamoe_plugin.fp8 import dequantize_per_token_group, dequantize_weight_blocks
-from megamoe_plugin.testing import random_inputs, random_layer
+from megamoe_plugin.testing import float64_l1, random_inputs, random_layer
 
 
 def main():
@@ -28,7 +27,7 @@ def main():
         noise = torch.Generator().manual_seed(1)
 
         def noisy_l1(x, x_sf, w, w_sf):
-            h = dequantize_per_token_group(x, x_sf).double() @ dequantize_weight_blocks(w, w_sf).double().T
+            h = float64_l1(x, x_sf, w, w_sf)
             row_max = h.abs().amax(dim=1, keepdim=True)
             return (h + eps * row_max * torch.randn(h.shape, generator=noise, dtype=torch.float64)).float()
 

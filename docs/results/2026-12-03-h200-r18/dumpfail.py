@@ -27,10 +27,7 @@ def _report(ys, inputs, layers, num_experts, numerics, activation_clamp):
         t2 = token_rel_errors(y2.double().flatten(1), ref.double().flatten(1))
         print(f"DUMP fresh buffer fast_math={fm}: equal to the failing output {torch.equal(y2.view(torch.int16), y.view(torch.int16))}, "
               f"token {w} err {float(t2[w]):.3e}, worst {float(t2.max()):.3e}")
-    def float64_l1(x, x_sf, w, w_sf):  # the exact L1 in float64: is the token at a requant code boundary?
-        from megamoe_plugin.fp8 import dequantize_per_token_group, dequantize_weight_blocks
-        return (dequantize_per_token_group(x, x_sf).double() @ dequantize_weight_blocks(w, w_sf).double().T).float()
-
+    float64_l1 = lambda *a: testing.float64_l1(*a).float()  # is the token at a requant code boundary?
     for name, l1 in (("fp8 tensor-core reference", testing.fp8_tensor_core_l1), ("float64-L1 reference", float64_l1)):
         r2 = testing.reference_outputs([inp], [layer], num_experts, activation_clamp, l1)[0]
         e = token_rel_errors(r2.double().flatten(1), ref.double().flatten(1))
