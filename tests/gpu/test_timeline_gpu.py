@@ -56,7 +56,9 @@ def test_timeline_records_every_tile_and_changes_no_bit(monkeypatch, numerics, b
         for cta in torch.nonzero(per_cta).flatten().tolist():
             for i in range(min(int(per_cta[cta]), timeline.MAX_TILES)):
                 for wg in range(2):
-                    start, main_end, end, wait, end_ns, _ = r[cta, phase, 1 + 2 * i + wg].tolist()
+                    # a tile record: 5 words, the rest of timeline.WORDS zero (timeline.cuh TileClock::record)
+                    start, main_end, end, wait, end_ns, *unused = r[cta, phase, 1 + 2 * i + wg].tolist()
+                    assert len(unused) == timeline.WORDS - 5 and not any(unused)
                     mainloop = (main_end - start) % timeline.WRAP
                     assert end_ns > r[cta, phase, 0, 4] and 0 <= wait <= mainloop < (end - start) % timeline.WRAP
     s = timeline.summarize(records, {"L1": HIDDEN // 128, "L2": INTER // 128})
