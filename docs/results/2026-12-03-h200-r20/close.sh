@@ -61,7 +61,7 @@ if [[ " ${STEP} " == *" bench "* ]]; then
     fi
   done
   cat "$OUT/bench_main_1.txt"
-  python3 .carry/ab_summary.py "$OUT" | tee "$OUT/ab_summary.txt"
+  python3 tools/ab_summary.py --a "$OUT"/bench_main_?.txt --b "$OUT"/bench_exp_?.txt --names main,exp | tee "$OUT/ab_summary.txt"
 fi
 if [[ " ${STEP} " == *" tune "* ]]; then
   timeout 420 python3 -m megamoe_plugin.tune --output-dir "$OUT/table" > "$OUT/tune.log" 2>&1; stamp "tune rc $?"; tail -5 "$OUT/tune.log"
