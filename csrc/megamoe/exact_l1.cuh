@@ -188,7 +188,7 @@ __device__ __forceinline__ void mma_tile_l1(const KernelParams& p, const StageVi
     issue_quarter(frag[0], 0);
     load_quarter(b_stage, 1, 1, frag[1]);  // under sub-tile 1's first WGMMAs
     __syncwarp();
-    if (lane == 0) cuda::ptx::mbarrier_arrive(&empty[ps.stage]);  // the stage now lives in registers and staging
+    cuda::ptx::mbarrier_arrive(&empty[ps.stage]);  // per thread (mma.cuh mma_tile's release): the stage is in registers
     issue_quarter(frag[1], 1);
     cute::warpgroup_wait<0>();
     fence_operands<kFrag>(part);

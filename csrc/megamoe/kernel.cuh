@@ -199,12 +199,15 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
 
   uint8_t* base = p.peer_base[p.rank];
   uint32_t* signals = reinterpret_cast<uint32_t*>(base + p.off.signals);
-  const uint32_t rounds_before = rank_rounds_done(signals);  // read before CTA 0 can advance it
+  // Read before this CTA reaches its first grid barrier, so before CTA 0 can advance it; kept in
+  // shared memory, since a register holding it across the GEMM phases made BLOCK_M 64 spill it.
+  volatile uint32_t* rounds_at_start = reinterpret_cast<uint32_t*>(smem + offsetof(Smem, rank_rounds_at_start));
 
   if (threadIdx.x == 0) {
+    *rounds_at_start = rank_rounds_done(signals);
     for (int s = 0; s < Cfg::kNumStages; ++s) {
       cuda::ptx::mbarrier_init(&full[s], 1);
-      cuda::ptx::mbarrier_init(&empty[s], Cfg::kNumMathThreads / 32);
+      cuda::ptx::mbarrier_init(&empty[s], Cfg::kNumMathThreads);
     }
     for (int b = 0; b < 2; ++b) {
       cuda::ptx::mbarrier_init(&tok_full[b], Role::kNumConverterThreads);
@@ -218,7 +221,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   grid_sync(p, signals);
   dispatch_list<Cfg>(p, base, scratch, scratch + Cfg::kNumExperts);
   __threadfence_system();
-  rank_sync<Cfg::kNumRanks>(p, signals, rounds_before + 1);
+  rank_sync<Cfg::kNumRanks>(p, signals, *rounds_at_start + 1);
   if (p.stop_after_phase == 2) return;
 
   // 3-4: receive side. Where L1 tiles wait for their own rows (Cfg::kPullDuringL1) the grid pulls
@@ -283,7 +286,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
                                      amax_exchange, parity);
       });
   __threadfence_system();
-  rank_sync<Cfg::kNumRanks>(p, signals, rounds_before + 2);
+  rank_sync<Cfg::kNumRanks>(p, signals, *rounds_at_start + 2);
   if (p.stop_after_phase == 6) return;
 
   // 7: combine, and leave the workspace ready for the next call.

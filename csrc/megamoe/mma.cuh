@@ -160,9 +160,12 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
       for (int i = 0; i < 4; ++i) to[4 * c + i] += from[4 * c + i] * (s.sa[i / 2] * sb);
     }
   };
+  // Every math thread arrives once its own reads of the stage (WGMMA operands, token scales) are
+  // done: one arrival per warp after __syncwarp orders them as well, but racecheck reports it as a
+  // hazard (round 20). The __syncwarp stays: without it ptxas spills 28-120 B at BLOCK_M 64 (round 21).
   const auto release = [&](int stage) {
     __syncwarp();
-    if (threadIdx.x % 32 == 0) cuda::ptx::mbarrier_arrive(&empty[stage]);
+    cuda::ptx::mbarrier_arrive(&empty[stage]);
   };
   constexpr int kLast = B::kBatches - 1;
   // Pipelined: the promotion of a k-block's last batch, once it is done, and its stage's release.
@@ -272,7 +275,7 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
     cute::warpgroup_wait<0>();
     fence_operands<Cfg::kSwapSubTiles * kFrag>(part);
     __syncwarp();
-    if (threadIdx.x % 32 == 0) cuda::ptx::mbarrier_arrive(&empty[ps.stage]);
+    cuda::ptx::mbarrier_arrive(&empty[ps.stage]);  // per thread, as mma_tile's release says
 #pragma unroll
     for (int i = 0; i < Cfg::kSwapSubTiles; ++i)
       for_each_fragment_col<kChunks>([&](int c, int j) {

@@ -1,7 +1,7 @@
 // The TMA pipeline of the GEMM phases: stage views of shared memory, and the producer (one
 // elected thread of warp 0) that fills the stage ring with a tile's A (pool rows) and B (weight
 // rows) k-blocks. Barriers: full[s] (1 producer arrival + TMA bytes), empty[s] (one arrival per
-// math warp; exact L1 also tok_full / tok_empty, exact_l1.cuh).
+// math thread; exact L1 also tok_full / tok_empty, exact_l1.cuh).
 #pragma once
 
 #include <cuda/ptx>

@@ -20,6 +20,7 @@ struct SharedStorage {
   uint64_t empty[Cfg::kNumStages];
   uint64_t tok_full[2];
   uint64_t tok_empty[2];
+  uint32_t rank_rounds_at_start;  // sync.cuh rank_rounds_done when the call started (kernel.cuh)
   // L1 requant amax exchange across the math warps, [k-block parity][math warp][row] (epilogue.cuh).
   alignas(1024) float amax_exchange[2][Cfg::kAmaxSlots][Cfg::kBlockM];
   // The local experts' pool layout (dispatch.cuh): exp_start[E_l], exp_count[E_l], mblk_prefix[E_l + 1].
@@ -36,8 +37,8 @@ struct SharedStorage {
   // token scales (config.cuh kStageScaleFloats), 1024-aligned for the 128B swizzle. The dispatch phases alias them as int scratch (Cfg::kScratchInts).
   alignas(1024) uint8_t stages[Cfg::kNumStages][Cfg::kStageBytes];
 
-  static_assert(sizeof(full) + sizeof(empty) + sizeof(tok_full) + sizeof(tok_empty) <= 1024,
-                "the barriers fit before the amax exchange");
+  static_assert(sizeof(full) + sizeof(empty) + sizeof(tok_full) + sizeof(tok_empty) + sizeof(rank_rounds_at_start) <= 1024,
+                "the barriers and the rank round fit before the amax exchange");
   static_assert(Cfg::kScratchInts * 4 <= sizeof(stages), "dispatch scratch does not fit");
 };
 
