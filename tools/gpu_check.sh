@@ -21,18 +21,9 @@
 #      on all 132, results round 12). PRECOMPILE=1 first compiles (all CPUs) whatever the tests load that the
 #      carried cache lacks (python -m tests.gpu.cases). SOAK=1 adds tools/soak.py (SOAK_ARGS).
 set -u -o pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # MEGAMOE_CACHE_DIR and WHEELS default to this tree's .jitcache and .whl; set them to run
 # another checkout (e.g. a git worktree of a branch: cd there, bash <main>/tools/gpu_check.sh).
-export MEGAMOE_CACHE_DIR="${MEGAMOE_CACHE_DIR:-$PWD/.jitcache}" MEGAMOE_TIMEOUT_S="${MEGAMOE_TIMEOUT_S:-10}"
-WHEELS="${WHEELS:-.whl}"
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site
-  export MEGAMOE_CUTLASS_INCLUDE=/tmp/site/cutlass_library/source/include
-fi
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
 rc=0
 if [ "${PRECOMPILE:-0}" != 0 ]; then
   ls "$MEGAMOE_CACHE_DIR" 2>/dev/null | grep -v "^\." | wc -l | sed 's/^/cubins carried: /'

@@ -56,11 +56,17 @@ struct KernelConfig {
   // it was 1-3% slower (round 7) and makes ptxas spill, so that tier keeps the barrier.
   static constexpr bool kL2TrailsL1 = kBlockM < 64;
   // L1 tiles start when the rows of their m-block are in the pool (rows_arrived, scheduler.cuh),
-  // not after a grid barrier: every warp pulls kPullHeadRowsPerWarp rows before the GEMM phases
-  // (all of a decode call's rows), and the producer warpgroup's warps 1-3, idle in fast L1, pull
-  // the rest while the L1 tiles run (kernel.cuh). Exact L1's warps 1-3 convert tokens instead, so
-  // that mode pulls every row before a grid barrier.
-  static constexpr bool kPullDuringL1 = !kExactL1;
+  // not after a grid barrier. Exact L1's converter warps read the token scales themselves, so that
+  // mode pulls every row before a grid barrier.
+  static constexpr bool kL1TrailsPull = !kExactL1;
+  // Where L1 tiles trail the pull, every warp pulls kPullHeadRowsPerWarp rows before the GEMM
+  // phases (all of a decode call's rows) and the producer warpgroup's warps 1-3, idle in fast L1,
+  // pull the rest while the L1 tiles run (kernel.cuh); elsewhere every warp pulls every row first.
+  // Only where L1 has the work per pulled row to hide three warps' pull: 4 I FLOPs per byte,
+  // whatever H. At I 768 (the e2e and qwen30 shapes) L1 tiles waited on the pullers, and pulling
+  // every row first with all 12 warps was 14-29% faster at BLOCK_M 128 and 3-12% at 64 (2048 and
+  // 8192 tokens); at I 2048 (v3, v4flash) the two were level within 1.3% (docs/results round 21).
+  static constexpr bool kPullDuringL1 = kL1TrailsPull && kInter >= 2048;
   static constexpr int kPullHeadRowsPerWarp = 2;
   static constexpr int kSwapSubTiles = 2;  // m64 sub-tiles per warpgroup in swap-AB
   // Accumulator floats per math thread: 2 sub-tiles of m64nBLOCK_M (swap-AB), m64n128 (BLOCK_M 64)

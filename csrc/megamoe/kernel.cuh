@@ -16,10 +16,10 @@
 //                                                                       BLOCK_M < 64, else grid_sync
 //   6 L2        down GEMM, BF16 rows scattered to the token's rank   -> rank_sync
 //   7 combine   sum each token's slots into y; reset send counters and both arrival counters
-// In fast numerics L1 tiles trail the pull: the grid pulls the first rows before L1 and the
-// producer warpgroup's warps 1-3 the rest during it, and an L1 tile waits for the rows of its
-// m-block only (rows_arrived, scheduler.cuh). At BLOCK_M < 64 L2 tiles trail L1 tiles the same
-// way (l1_done). The other phases are separated by barriers.
+// In fast numerics L1 tiles trail the pull: an L1 tile waits for the rows of its m-block only
+// (rows_arrived, scheduler.cuh). At I >= 2048 the grid pulls the first rows before L1 and the
+// producer warpgroup's warps 1-3 the rest during it (config.cuh kPullDuringL1). At BLOCK_M < 64
+// L2 tiles trail L1 tiles the same way (l1_done). The other phases are separated by barriers.
 //
 // Named barriers: 0 = __syncthreads, 1 = math warpgroups' amax exchange.
 // mbarriers: full[s] / empty[s] per pipeline stage, tok_full[b] / tok_empty[b] per L1 token
@@ -105,7 +105,7 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
         // The routing weights load at the tile's start where Cfg::kEarlyEpilogueRows, so before
         // any of the tile's stages: the rows must have been pulled (elsewhere the stages' full
         // barriers order the epilogue's loads after the producer's wait for them).
-        if constexpr (Cfg::kPullDuringL1 && Cfg::kEarlyEpilogueRows) {
+        if constexpr (Cfg::kL1TrailsPull && Cfg::kEarlyEpilogueRows) {
           if (!__all_sync(0xffffffffu, wait_pulled_rows<Cfg>(p, base, tables, t))) return false;
         }
         const auto weights = EpilogueRows<Cfg, false>::at_tile_start(p, base, tables, t, wg, fc);
@@ -224,13 +224,15 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   rank_sync<Cfg::kNumRanks>(p, signals, *rounds_at_start + 1);
   if (p.stop_after_phase == 2) return;
 
-  // 3-4: receive side. Where L1 tiles wait for their own rows (Cfg::kPullDuringL1) the grid pulls
-  // the first pull_head_rows here and the producer warpgroup's warps 1-3 the rest during L1; with
-  // the phase stop after the pull (or in exact numerics) every row comes first, then a grid barrier.
-  const bool pull_all_first = !Cfg::kPullDuringL1 || p.stop_after_phase == 4;
+  // 3-4: receive side. Where L1 tiles wait for their own rows (Cfg::kL1TrailsPull) the CTA goes on
+  // to L1 after its share of the pull; where the pull goes on during L1 (Cfg::kPullDuringL1) that
+  // share is the first pull_head_rows and the producer warpgroup's warps 1-3 pull the rest. With the
+  // phase stop after the pull (or in exact numerics) every row comes first, then a grid barrier.
+  const bool pull_all_first = !Cfg::kL1TrailsPull || p.stop_after_phase == 4;
   const auto pull_head_rows = [&] {
     const int rows = pool_rows(tables, Cfg::kNumLocalExperts);
-    return pull_all_first ? rows : min(rows, (int)gridDim.x * Cfg::kNumWarps * Cfg::kPullHeadRowsPerWarp);
+    return pull_all_first || !Cfg::kPullDuringL1
+               ? rows : min(rows, (int)gridDim.x * Cfg::kNumWarps * Cfg::kPullHeadRowsPerWarp);
   };
   {
     constexpr int kPairs = Cfg::kNumLocalExperts * Cfg::kNumRanks;
@@ -261,9 +263,11 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
         if (Role::tma_issuer()) return produce_tiles<Cfg, false>(p, base, l1_sched, blockIdx.x, sv, full, empty, ps);
         if constexpr (Cfg::kExactL1) {
           if (Role::converter()) convert_l1_tokens<Cfg>(p, l1_sched, sv, full, tok_full, tok_empty);
-        } else if (Role::puller() && !pull_all_first) {
-          pull_rows_during_l1<Cfg>(p, base, tables, pull_head_rows(), blockIdx.x * Role::kNumPullerWarps + Role::puller_warp(),
-                                   gridDim.x * Role::kNumPullerWarps);
+        } else if constexpr (Cfg::kPullDuringL1) {
+          if (Role::puller() && !pull_all_first)
+            pull_rows_during_l1<Cfg>(p, base, tables, pull_head_rows(),
+                                     blockIdx.x * Role::kNumPullerWarps + Role::puller_warp(),
+                                     gridDim.x * Role::kNumPullerWarps);
         }
         return true;
       },

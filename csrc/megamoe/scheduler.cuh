@@ -1,7 +1,7 @@
 // The GEMM phases' tile schedule: static round-robin of (expert, m-block, n-block) tiles over
 // CTAs, n-major inside an expert so neighbouring CTAs share the weight tile in L2 cache; the
 // pipeline position each role carries from tile to tile; the rows_arrived counters by which an L1
-// tile waits for the pull of its m-block's rows (Cfg::kPullDuringL1); and the l1_done counters by
+// tile waits for the pull of its m-block's rows (Cfg::kL1TrailsPull); and the l1_done counters by
 // which an L2 tile trails its m-block's L1 tiles (BLOCK_M < 64).
 #pragma once
 
@@ -63,7 +63,7 @@ __device__ __forceinline__ void wait_l1_rows(const KernelParams& p, const int* l
   bounded_wait(p, kErrL1RowsTimeout, [&] { return l1_rows_ready<Cfg>(l1_done, gm); }, 2);
 }
 
-// L1 tiles wait for the pull (Cfg::kPullDuringL1): each pulled row adds 1 to rows_arrived[its
+// L1 tiles wait for the pull (Cfg::kL1TrailsPull): each pulled row adds 1 to rows_arrived[its
 // m-block] (dispatch.cuh publish_pulled_row), and an L1 tile loads its A rows once all of its
 // m-block's valid rows have come. The rows past them (the next expert's, which the tile reads
 // but never stores) may still be in flight: GEMM rows are independent. The pull waits on

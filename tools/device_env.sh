@@ -1,0 +1,35 @@
+# Sourced (not run) at the start of every GPU-machine script: tools/gpu_check.sh and the rounds'
+# docs/results/<round>/run.sh. One place for what each of them needs before its first test:
+#  - the NVLink-multicast switches that must stay off on these machines, unbuffered Python;
+#  - the carried wheels (.whl, e.g. nvidia-cutlass) installed into /tmp/site, their CUTLASS headers;
+#  - the JIT cache: MEGAMOE_CACHE_DIR if set, else the tree's .jitcache, else unpacked from
+#    $JITCACHE_TARBALL (a .tar.xz of cubins compiled on the CPU machine) into /tmp/jitcache;
+#  - the GPU's name and clocks into $OUT/gpu.txt, and this package installed in place.
+# Defines stamp(): seconds since sourcing, for the scripts' progress lines.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export MEGAMOE_TIMEOUT_S="${MEGAMOE_TIMEOUT_S:-10}"
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+_device_env_t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - _device_env_t0 )) s] $*"; }
+
+WHEELS="${WHEELS:-.whl}"
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  [ -d /tmp/site/cutlass_library ] ||
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  export MEGAMOE_CUTLASS_INCLUDE=/tmp/site/cutlass_library/source/include
+fi
+
+if [ -z "${MEGAMOE_CACHE_DIR:-}" ]; then
+  if [ -n "${JITCACHE_TARBALL:-}" ]; then
+    export MEGAMOE_CACHE_DIR=/tmp/jitcache
+    [ -d /tmp/jitcache ] || { mkdir -p /tmp/jitcache && tar -xJf "$JITCACHE_TARBALL" -C /tmp/jitcache; }
+  else
+    export MEGAMOE_CACHE_DIR="$PWD/.jitcache"
+  fi
+fi
+echo "cubins carried: $(ls "$MEGAMOE_CACHE_DIR" 2>/dev/null | grep -vc '^\.')"
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 ||
+  { cat "$OUT/install.log"; exit 1; }
