@@ -54,4 +54,12 @@ if [[ " ${STEP} " == *" tune "* ]]; then
   timeout 300 python3 -m megamoe_plugin.tune --shapes e2e,qwen30,qwen235 --numerics fast --output-dir "$OUT/table" \
     > "$OUT/tune_sweep.txt" 2> /tmp/tune_sweep.err; stamp "sweep rc $?"; tail -25 "$OUT/tune_sweep.txt"
 fi
+if [[ " ${STEP} " == *" bench "* ]]; then
+  for r in $(seq 1 "${ROUNDS:-3}"); do
+    timeout 200 python3 -m megamoe_plugin.bench --configs v3,v4flash --numerics fast,exact --baseline none \
+      --results /tmp/bench_$r > "$OUT/bench_$r.txt" 2> /tmp/bench_$r.err; stamp "bench round $r rc $?"
+  done
+  grep -c "megamoe: compiling" /tmp/bench_*.err | sed 's/^/nvcc runs: /'
+  python3 tools/ab_summary.py --a "$OUT"/bench_?.txt --names committed | tee "$OUT/bench_summary.txt"
+fi
 exit $rc
