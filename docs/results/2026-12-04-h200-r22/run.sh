@@ -8,23 +8,43 @@
 #              shipped table's other entries kept).
 # Cubins: .carry/r22/jit_new.tar.xz (this tree) and jit_main.tar.xz (main), compiled on the CPU machine.
 set -u -o pipefail
-JITCACHE_TARBALL=.carry/r22/jit_new.tar.xz
+JITCACHE_TARBALL=${JITCACHE_TARBALL:-.carry/r22/jit_new.tar.xz}
 source tools/device_env.sh
 REPO=$PWD
 cp .carry/r22/commit.txt "$OUT/commit.txt"  # the commit this tree is (written before the call)
 rc=0
+if [[ " ${STEP} " == *" exact "* ]]; then
+  mkdir -p /tmp/tree_main /tmp/jitcache_main && tar -xzf .carry/r22/main.tar.gz -C /tmp/tree_main &&
+    tar -xJf .carry/r22/jit_new.tar.xz -C /tmp/jitcache_main &&
+    python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site_main /tmp/tree_main > /tmp/install_main.log 2>&1 ||
+    { cat /tmp/install_main.log; exit 1; }
+  for r in 1 2; do
+    (cd /tmp && PYTHONPATH=/tmp/site_main:/tmp/site MEGAMOE_CACHE_DIR=/tmp/jitcache_main timeout 120 python3 -m megamoe_plugin.bench \
+      --configs v3,v4flash --numerics exact --baseline none --results /tmp/res_main_$r > "$OUT/bench_exact_main_$r.txt" 2>/dev/null)
+    stamp "bench main $r rc $?"
+    timeout 120 python3 -m megamoe_plugin.bench --configs v3,v4flash --numerics exact --baseline none --results /tmp/res_new_$r \
+      > "$OUT/bench_exact_new_$r.txt" 2>/dev/null; stamp "bench new $r rc $?"
+  done
+  python3 tools/ab_summary.py --a "$OUT"/bench_exact_main_?.txt --b "$OUT"/bench_exact_new_?.txt --names main,width | tee "$OUT/ab_exact.txt"
+  SANITIZER_MODES=exact
+  STEP="$STEP tests"
+fi
 if [[ " ${STEP} " == *" tests "* ]]; then
   timeout 200 python3 -m pytest -q -rs --timeout 150 tests/gpu tests/test_staging.py > /tmp/tests.log 2>&1; rc=$?
   stamp "tests rc $rc"; grep -E "^FAILED|^ERROR|passed|failed" /tmp/tests.log | tail -15
   grep -E "^FAILED|^ERROR|passed|failed|SKIPPED|Error|assert" /tmp/tests.log | head -60 > "$OUT/tests_summary.txt"
   grep -c "megamoe: compiling" /tmp/tests.log | sed 's/^/nvcc runs during the tests: /'
-  python3 - > /tmp/sanitizer_jobs.txt <<'EOF'
+  SANITIZER_MODES="${SANITIZER_MODES:-}" python3 - > /tmp/sanitizer_jobs.txt <<'EOF'
 import sys
 sys.path.insert(0, "docs/results/2026-12-04-h200-r22")
 from variants import SANITIZER_SHAPES
 from megamoe_plugin.heuristics import implemented_block_m
+import os
+only = os.environ.get("SANITIZER_MODES")
 for shape, modes in reversed(SANITIZER_SHAPES):  # the new shape first
     for numerics in modes:
+        if only and numerics not in only.split():
+            continue
         for tool in ("racecheck", "memcheck"):
             for bm in implemented_block_m(numerics):
                 print(numerics, tool, bm, *shape)
