@@ -51,10 +51,6 @@ struct KernelConfig {
   // of the tile its half `h` covers (mma_tile, l1_epilogue, l2_epilogue).
   static constexpr int wg_first_row(int wg) { return kWgHalves == 2 ? 64 * wg : 0; }
   static constexpr int wg_weight_block(int wg, int h) { return kWgHalves == 2 ? h : wg; }
-  // L2 tiles start as soon as their m-block's L1 tiles are done, without a grid barrier
-  // (kernel.cuh). Measured 1.6-4% faster at 1-32 tokens (docs/results round 8). At BLOCK_M 64
-  // it was 1-3% slower (round 7) and makes ptxas spill, so that tier keeps the barrier.
-  static constexpr bool kL2TrailsL1 = kBlockM < 64;
   // L1 tiles start when the rows of their m-block are in the pool (rows_arrived, scheduler.cuh),
   // not after a grid barrier. Exact L1's converter warps read the token scales themselves, so that
   // mode pulls every row before a grid barrier.
@@ -122,7 +118,7 @@ struct KernelConfig {
   static_assert(!kRebalanceRegisters ||
                     kProducerRegisters * 128 + kMathRegisters * kNumMathThreads <= kEntryRegisters * kNumThreads,
                 "register rebalancing within the CTA's registers at launch (setmaxnreg's pool)");
-  static_assert(!kRebalanceRegisters || (!kL2TrailsL1 && !kExactL1 && !kFp8SwapAB),
+  static_assert(!kRebalanceRegisters || (!kExactL1 && !kFp8SwapAB),
                 "a rebalanced tier's GEMM waits must all unwind (pipeline.cuh gemm_wait): only mma_tile's do");
   static_assert(kNumExperts % kNumRanks == 0, "E must be a multiple of R");
   static_assert(kNumStages >= 2, "need at least two pipeline stages");

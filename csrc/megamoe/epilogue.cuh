@@ -35,16 +35,18 @@ __device__ __forceinline__ float silu(float x) {
 }
 
 // After the L1 epilogue: publish the tile's act rows to the L2 tiles of its m-block
-// (scheduler.cuh l1_done). Each math thread's stores are fenced for the readers' TMA and at
-// GPU scope, then one release arrival once both warpgroups are done.
+// (scheduler.cuh l1_done). Each math thread fences its stores for the readers' TMA (proxy fence);
+// once both warpgroups are at the barrier one thread fences at GPU scope and releases. That fence
+// is cumulative over the stores the barrier ordered before it (the pattern of cooperative groups'
+// grid barrier), so the other 255 threads do not each wait for their stores to land.
 template <class Cfg>
-__device__ __forceinline__ void publish_l1_tile(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
-                                                const Tile& t) {
+__device__ __forceinline__ void publish_l1_tile(const KernelParams& p, const ExpertTables& tables, const Tile& t) {
   fence_generic_to_async();
-  __threadfence();
   named_barrier_sync(kEpilogueBarrierId, Cfg::kNumMathThreads);
-  if (Role::first_math_thread())
-    red_add_release_gpu(reinterpret_cast<int*>(base + p.off.l1_done) + global_m_block<Cfg>(tables, t), 1);
+  if (Role::first_math_thread()) {
+    __threadfence();
+    red_add_release_gpu(p.l1_done + global_m_block<Cfg>(tables, t), 1);
+  }
 }
 
 __device__ __forceinline__ float quad_max(float v) {

@@ -12,14 +12,13 @@
 //   3 layout    read peers' counts for local experts, pool layout (per CTA, smem)
 //   4 pull      copy routed tokens from their ranks into the L1 pool -> rows_arrived[m-block] in
 //                                                                       fast numerics, else grid_sync
-//   5 L1        gate/up GEMM, SwiGLU x weight, FP8 requant -> act    -> l1_done[m-block] at
-//                                                                       BLOCK_M < 64, else grid_sync
+//   5 L1        gate/up GEMM, SwiGLU x weight, FP8 requant -> act    -> l1_done[m-block]
 //   6 L2        down GEMM, BF16 rows scattered to the token's rank   -> rank_sync
 //   7 combine   sum each token's slots into y; reset send counters and both arrival counters
 // In fast numerics L1 tiles trail the pull: an L1 tile waits for the rows of its m-block only
 // (rows_arrived, scheduler.cuh). At I >= 2048 the grid pulls the first rows before L1 and the
-// producer warpgroup's warps 1-3 the rest during it (config.cuh kPullDuringL1). At BLOCK_M < 64
-// L2 tiles trail L1 tiles the same way (l1_done). The other phases are separated by barriers.
+// producer warpgroup's warps 1-3 the rest during it (config.cuh kPullDuringL1). L2 tiles trail
+// L1 tiles the same way (l1_done). The other phases are separated by barriers.
 //
 // Named barriers: 0 = __syncthreads, 1 = math warpgroups' amax exchange.
 // mbarriers: full[s] / empty[s] per pipeline stage, tok_full[b] / tok_empty[b] per L1 token
@@ -66,8 +65,8 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
     const int row_a = tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
     const int sf_skew = row_a - staged_scale_row(row_a);
     if constexpr (kIsL2) {
-      // A trailing L2 tile (Cfg::kL2TrailsL1) reads nothing L1 wrote but through its stages: the
-      // producer acquires the m-block's L1 rows before it loads them (pipeline.cuh produce_tiles).
+      // An L2 tile reads nothing L1 wrote but through its stages: the producer acquires the
+      // m-block's L1 rows before it loads them (pipeline.cuh produce_tiles).
       // w2_scale [E_l, H/128, I/128]: one scale per 128 hidden columns; a column block past H
       // (odd H/128) reads no scale.
       const float* sb = p.w2_scale + ((int64_t)t.expert * (Cfg::kHidden / 128) + t.n_block * 2) * Cfg::kL2NumKBlocks;
@@ -116,7 +115,7 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
         l1_epilogue<Cfg>(p, base, tables, t, wg, fc, weights, acc, amax_exchange, quad_lines_of<Cfg>(amax_exchange),
                          parity);
       }
-      if constexpr (Cfg::kL2TrailsL1) publish_l1_tile<Cfg>(p, base, tables, t);
+      publish_l1_tile<Cfg>(p, tables, t);
       parity ^= 1;
       clock.record(p, 0, tile_of_cta, wg);
     }
@@ -253,8 +252,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   // 5-6: GEMMs: the L1 tiles, then the L2 tiles, dealt round-robin as one sequence (L2
   // starts where L1 ended). Producer and math warpgroups walk the same tiles, so one
   // pipeline state per role carries over. An L2 tile waits for the L1 tiles of its own
-  // m-block (scheduler.cuh l1_done); at BLOCK_M < 64 that is all (Cfg::kL2TrailsL1), so a CTA
-  // that ends its L1 share early starts on L2 tiles; at BLOCK_M 64 and 128 a grid barrier comes first.
+  // m-block only (scheduler.cuh l1_done), so a CTA that ends its L1 share early starts on L2 tiles.
   PipelineState ps;
   int parity = 0;
   const TileScheduler<Cfg> l1_sched{tables, Cfg::kL1NumNBlocks}, l2_sched{tables, Cfg::kL2NumNBlocks};
@@ -275,11 +273,10 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
         return math_phase<Cfg, false>(p, base, tables, blockIdx.x, sv, full, empty, tok_full, tok_empty, ps,
                                       amax_exchange, parity);
       });
-  if constexpr (!Cfg::kL2TrailsL1) {
-    fence_generic_to_async();  // act rows, written with plain stores, are read by TMA next
-    grid_sync(p, signals);
-  }
   if (p.stop_after_phase == 5) return;  // the caller zeroes l1_done and the send counters (tools/phase_times.py)
+  if constexpr (Cfg::kL1TrailsPull && Cfg::kEarlyEpilogueRows) {
+    if (!Role::producer_warpgroup()) wait_pool_pulled<Cfg>(p, base, tables, kEpilogueBarrierId);
+  }
   // Each role computes where its L2 tiles start itself: a value computed here would live across
   // the register-rebalanced regions, and ptxas spills such values at the region boundaries.
   const auto l2_first = [&] { return (blockIdx.x + gridDim.x - l1_sched.num_tiles() % gridDim.x) % gridDim.x; };

@@ -85,6 +85,10 @@ struct KernelParams {
 
   uint8_t* peer_base[kMaxRanks];  // every rank's symmetric buffer, mapped into this process
   BufferOffsets off;
+  // This rank's l1_done region (peer_base[rank] + off.l1_done), in a constant-bank slot of its own:
+  // publish_l1_tile (epilogue.cuh) computed from the buffer's base kept that 64-bit base live through
+  // the L1 epilogue, where fast BLOCK_M 64 at H 7168 spilled it (8 B).
+  int* l1_done;
   const float* w13_scale;  // [E_l, I/128, 2, H/128]  (transformed: gate, up per 128 outputs)
   const float* w2_scale;   // [E_l, H/128, I/128]
 

@@ -92,9 +92,9 @@ __device__ __forceinline__ void load_a(const KernelParams& p, const StageView<Cf
 // A rows come from the pool (expert's rows), B rows from the weights (expert's block).
 // The A rows' token scales come with them (load_a; exact L1's converters read theirs). A tile whose
 // A rows are not ready yet (L1: not yet pulled, Cfg::kL1TrailsPull; L2: act rows not yet stored by
-// L1, Cfg::kL2TrailsL1) first streams the weights of as many k-blocks as there are stages, then
+// L1) first streams the weights of as many k-blocks as there are stages, then
 // waits (acquire), and only then arms those stages: the math warps' wait on a stage then orders
-// their own reads of what the pull or L1 wrote (the L1 epilogue's routing weights) after it.
+// their own reads of what the pull or L1 wrote (the epilogues' routing weights, destinations) after it.
 template <class Cfg, bool kIsL2>
 __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileScheduler<Cfg>& sched, int first_tile,
                               const StageView<Cfg>& sv, uint64_t* full, uint64_t* empty, PipelineState& ps) {
@@ -112,7 +112,7 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
     const int row_a = sched.tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
     const int row_b = t.expert * kRowsPerExpert + t.n_block * Cfg::kBlockN;
     int kb = 0;
-    if constexpr (kIsL2 ? Cfg::kL2TrailsL1 : Cfg::kL1TrailsPull) {
+    if constexpr (kIsL2 || Cfg::kL1TrailsPull) {
       const int gm = global_m_block<Cfg>(sched.tables, t);
       const bool ready = kIsL2 ? l1_rows_ready<Cfg>(l1_done, gm) : pulled_rows_ready<Cfg>(p, base, sched.tables, t);
       if (!ready) {
@@ -123,11 +123,7 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
           ahead.advance<Cfg::kNumStages>();
         }
         const uint64_t arrival_start = timeline_clock();
-        if constexpr (kIsL2) {
-          wait_l1_rows<Cfg>(p, l1_done, gm);
-        } else {
-          if (!wait_pulled_rows<Cfg>(p, base, sched.tables, t)) return false;
-        }
+        if (!(kIsL2 ? wait_l1_rows<Cfg>(p, l1_done, gm) : wait_pulled_rows<Cfg>(p, base, sched.tables, t))) return false;
         if constexpr (kTimeline) clock.arrival_wait += timeline_clock() - arrival_start;
         fence_generic_to_async();
         for (; kb < kPrefetch; ++kb) {

@@ -26,8 +26,10 @@ struct Role {
   static constexpr int kNumPullerWarps = kNumConverterThreads / 32;
   __device__ __forceinline__ static bool puller() { return converter(); }
   __device__ __forceinline__ static int puller_warp() { return converter_thread() / 32; }
+  __device__ __forceinline__ static bool producer_warpgroup() { return threadIdx.x < kProducerWarpgroupThreads; }
   // Math warpgroups only (unsigned arithmetic: the divisions stay shifts).
   __device__ __forceinline__ static int math_warpgroup() { return (threadIdx.x - kProducerWarpgroupThreads) / 128; }
+  __device__ __forceinline__ static int math_thread() { return threadIdx.x - kProducerWarpgroupThreads; }
   __device__ __forceinline__ static int math_warp() { return (threadIdx.x - kProducerWarpgroupThreads) / 32; }
   __device__ __forceinline__ static int thread_in_warpgroup() { return threadIdx.x % 128; }
   __device__ __forceinline__ static bool first_math_thread() { return threadIdx.x == kProducerWarpgroupThreads; }

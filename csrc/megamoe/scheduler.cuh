@@ -2,12 +2,13 @@
 // CTAs, n-major inside an expert so neighbouring CTAs share the weight tile in L2 cache; the
 // pipeline position each role carries from tile to tile; the rows_arrived counters by which an L1
 // tile waits for the pull of its m-block's rows (Cfg::kL1TrailsPull); and the l1_done counters by
-// which an L2 tile trails its m-block's L1 tiles (BLOCK_M < 64).
+// which an L2 tile trails its m-block's L1 tiles.
 #pragma once
 
 #include "config.cuh"
 #include "dispatch.cuh"
 #include "params.h"
+#include "roles.cuh"
 #include "sync.cuh"
 
 namespace megamoe {
@@ -56,11 +57,18 @@ __device__ __forceinline__ bool l1_rows_ready(const int* l1_done, int gm) {
   return ld_acquire_gpu(l1_done + gm) >= Cfg::kL1NumNBlocks;
 }
 
-// Bounded wait (acquire) for an m-block's L1 rows. Scale 2: a stuck L1 tile's own
-// pipeline wait reports first.
+// Bounded wait (acquire) for an m-block's L1 rows; false after a timeout where the tier's waits
+// unwind (pipeline.cuh gemm_wait says why), else it traps. Scale 2: a stuck L1 tile's own pipeline
+// wait reports first.
 template <class Cfg>
-__device__ __forceinline__ void wait_l1_rows(const KernelParams& p, const int* l1_done, int gm) {
-  bounded_wait(p, kErrL1RowsTimeout, [&] { return l1_rows_ready<Cfg>(l1_done, gm); }, 2);
+__device__ __forceinline__ bool wait_l1_rows(const KernelParams& p, const int* l1_done, int gm) {
+  const auto ready = [&] { return l1_rows_ready<Cfg>(l1_done, gm); };
+  if constexpr (Cfg::kRebalanceRegisters) {
+    return poll_bounded(p, kErrL1RowsTimeout, ready, 2);
+  } else {
+    bounded_wait(p, kErrL1RowsTimeout, ready, 2);
+    return true;
+  }
 }
 
 // L1 tiles wait for the pull (Cfg::kL1TrailsPull): each pulled row adds 1 to rows_arrived[its
@@ -88,6 +96,24 @@ __device__ __forceinline__ bool wait_pulled_rows(const KernelParams& p, const ui
     bounded_wait(p, kErrPulledRowsTimeout, ready);
     return true;
   }
+}
+
+// Before their first L2 tile, where the L2 epilogue's per-row loads go out at the tile's start
+// (Cfg::kEarlyEpilogueRows), ahead of any stage, the math warpgroups acquire every m-block's pulled
+// rows (pool_src) once, between the GEMM phases' register regions (inside the math region this
+// made ptxas spill 80-124 B at BLOCK_M 128). Per tile it would be an acquire round trip in front of
+// each L2 main loop; here the pull has long ended (every L1 tile waited for its rows). Bounded
+// (traps: outside the regions that must unwind).
+template <class Cfg>
+__device__ __forceinline__ void wait_pool_pulled(const KernelParams& p, const uint8_t* base, const ExpertTables& tables,
+                                                 int barrier_id) {
+  const int* rows_arrived = reinterpret_cast<const int*>(base + p.off.rows_arrived);
+  for (int gm = Role::math_thread(); gm < tables.mblk_prefix[Cfg::kNumLocalExperts]; gm += Cfg::kNumMathThreads) {
+    const int el = last_le(tables.mblk_prefix, Cfg::kNumLocalExperts, gm);
+    const int rows = min(Cfg::kBlockM, tables.exp_count[el] - (gm - tables.mblk_prefix[el]) * Cfg::kBlockM);
+    bounded_wait(p, kErrPulledRowsTimeout, [&] { return ld_acquire_gpu(rows_arrived + gm) >= rows; });
+  }
+  named_barrier_sync(barrier_id, Cfg::kNumMathThreads);  // each thread's acquire, for all math threads
 }
 
 }  // namespace megamoe
