@@ -274,8 +274,9 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
                                       amax_exchange, parity);
       });
   if (p.stop_after_phase == 5) return;  // the caller zeroes l1_done and the send counters (tools/phase_times.py)
-  if constexpr (Cfg::kL1TrailsPull && Cfg::kEarlyEpilogueRows) {
-    if (!Role::producer_warpgroup()) wait_pool_pulled<Cfg>(p, base, tables, kEpilogueBarrierId);
+  if constexpr (Cfg::kRebalanceRegisters) {
+    static_assert(Cfg::kL1TrailsPull && Cfg::kEarlyEpilogueRows, "wait_pool_pulled's reason");
+    wait_pool_pulled<Cfg>(p, base, tables);
   }
   // Each role computes where its L2 tiles start itself: a value computed here would live across
   // the register-rebalanced regions, and ptxas spills such values at the region boundaries.

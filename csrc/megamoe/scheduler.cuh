@@ -98,22 +98,29 @@ __device__ __forceinline__ bool wait_pulled_rows(const KernelParams& p, const ui
   }
 }
 
-// Before their first L2 tile, where the L2 epilogue's per-row loads go out at the tile's start
-// (Cfg::kEarlyEpilogueRows), ahead of any stage, the math warpgroups acquire every m-block's pulled
-// rows (pool_src) once, between the GEMM phases' register regions (inside the math region this
-// made ptxas spill 80-124 B at BLOCK_M 128). Per tile it would be an acquire round trip in front of
-// each L2 main loop; here the pull has long ended (every L1 tile waited for its rows). Bounded
-// (traps: outside the regions that must unwind).
+// Between the GEMM phases of the rebalanced tier (BLOCK_M 128), every thread of the CTA. The math
+// warpgroups acquire every m-block's pulled rows (pool_src) once: the L2 epilogue's per-row loads go
+// out at the tile's start (Cfg::kEarlyEpilogueRows), ahead of any stage. Per tile it would be an
+// acquire round trip in front of each L2 main loop; here the pull has long ended (every L1 tile
+// waited for its rows); inside the math region this made ptxas spill 80-124 B. Then a CTA barrier:
+// the register hand-over barrier of L1 (kernel.cuh gemm_roles) must be complete before a math warp
+// arrives on it for L2. Without the grid barrier that used to stand here, a math warpgroup with no
+// L1 tiles could reach L2's arrival while the producer warpgroup still waited in L1's, which would
+// then complete with the wrong threads, and the producer's setmaxnreg.inc would wait for registers
+// the math warpgroups held: the call hangs (results round 23: BLOCK_M 128 with 0 tokens, once the
+// producer thread's L1 work took an atomic's round trip). Bounded (traps: outside the regions that
+// must unwind).
 template <class Cfg>
-__device__ __forceinline__ void wait_pool_pulled(const KernelParams& p, const uint8_t* base, const ExpertTables& tables,
-                                                 int barrier_id) {
-  const int* rows_arrived = reinterpret_cast<const int*>(base + p.off.rows_arrived);
-  for (int gm = Role::math_thread(); gm < tables.mblk_prefix[Cfg::kNumLocalExperts]; gm += Cfg::kNumMathThreads) {
-    const int el = last_le(tables.mblk_prefix, Cfg::kNumLocalExperts, gm);
-    const int rows = min(Cfg::kBlockM, tables.exp_count[el] - (gm - tables.mblk_prefix[el]) * Cfg::kBlockM);
-    bounded_wait(p, kErrPulledRowsTimeout, [&] { return ld_acquire_gpu(rows_arrived + gm) >= rows; });
+__device__ __forceinline__ void wait_pool_pulled(const KernelParams& p, const uint8_t* base, const ExpertTables& tables) {
+  if (!Role::producer_warpgroup()) {
+    const int* rows_arrived = reinterpret_cast<const int*>(base + p.off.rows_arrived);
+    for (int gm = Role::math_thread(); gm < tables.mblk_prefix[Cfg::kNumLocalExperts]; gm += Cfg::kNumMathThreads) {
+      const int el = last_le(tables.mblk_prefix, Cfg::kNumLocalExperts, gm);
+      const int rows = min(Cfg::kBlockM, tables.exp_count[el] - (gm - tables.mblk_prefix[el]) * Cfg::kBlockM);
+      bounded_wait(p, kErrPulledRowsTimeout, [&] { return ld_acquire_gpu(rows_arrived + gm) >= rows; });
+    }
   }
-  named_barrier_sync(barrier_id, Cfg::kNumMathThreads);  // each thread's acquire, for all math threads
+  __syncthreads();  // each math thread's acquire, for all; and L1's hand-over barrier is complete
 }
 
 }  // namespace megamoe
