@@ -113,11 +113,10 @@ __device__ __forceinline__ bool wait_pulled_rows(const KernelParams& p, const ui
 template <class Cfg>
 __device__ __forceinline__ void wait_pool_pulled(const KernelParams& p, const uint8_t* base, const ExpertTables& tables) {
   if (!Role::producer_warpgroup()) {
-    const int* rows_arrived = reinterpret_cast<const int*>(base + p.off.rows_arrived);
     for (int gm = Role::math_thread(); gm < tables.mblk_prefix[Cfg::kNumLocalExperts]; gm += Cfg::kNumMathThreads) {
       const int el = last_le(tables.mblk_prefix, Cfg::kNumLocalExperts, gm);
-      const int rows = min(Cfg::kBlockM, tables.exp_count[el] - (gm - tables.mblk_prefix[el]) * Cfg::kBlockM);
-      bounded_wait(p, kErrPulledRowsTimeout, [&] { return ld_acquire_gpu(rows_arrived + gm) >= rows; });
+      const Tile t{el, gm - tables.mblk_prefix[el], 0};
+      bounded_wait(p, kErrPulledRowsTimeout, [&] { return pulled_rows_ready<Cfg>(p, base, tables, t); });
     }
   }
   __syncthreads();  // each math thread's acquire, for all; and L1's hand-over barrier is complete
