@@ -12,7 +12,7 @@ Per rank, in order (every region 256-byte aligned):
               this rank's (token, slot) entries grouped by global expert, which the
               expert's owner pulls. Counts and cursors are zeroed by the kernel at exit.
   signals     barrier state that lives across calls (SIGNAL_WORDS, u32 each; wrap-safe,
-              csrc/megamoe/sync.cuh)
+              csrc/megamoe/sync.cuh), and the call's count of claimed L2 tiles (zeroed at exit)
   l1_done     [ceil(P / MIN_BLOCK_M)] i32: per m-block of the pool, how many L1 tiles have stored
               their act rows; an L2 tile of that m-block starts when all have (no grid
               barrier between L1 and L2). Zeroed by the kernel at exit.
@@ -51,6 +51,7 @@ SIGNAL_WORDS = {
     "grid_generation": 1,    # grid barriers completed, mod 2^32
     "rank_barrier": 2,       # arrivals of all ranks at this rank's cross-rank barrier, mod 2^32
     "rank_barrier_done": 3,  # cross-rank barriers completed, mod 2^32 (rank_barrier = done * R)
+    "l2_tiles_claimed": 4,   # L2 tiles claimed in the call; zeroed by the kernel at exit
 }
 # Section 2 limits of docs/design.md.
 MAX_TOPK = 16

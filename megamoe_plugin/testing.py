@@ -82,8 +82,11 @@ SELF_CLEANING_REGIONS = ("send_count", "send_cursor", "l1_done", "rows_arrived")
 
 def reset_after_stopped_call(buf) -> None:
     """Zeroes what a call stopped with _stop_after_phase left for the next call to trip on."""
+    from .buffer import SIGNAL_WORDS
+
     for name in SELF_CLEANING_REGIONS:
         buf.view(name).zero_()
+    buf.view("signals")[SIGNAL_WORDS["l2_tiles_claimed"]] = 0
 
 
 def set_barrier_state(bufs, grid_generation: int, rank_rounds_done: int) -> None:

@@ -67,8 +67,8 @@ __device__ void combine_tokens(const KernelParams& p, uint8_t* base) {
   }
 }
 
-// Zeroes the send-side counters and the m-blocks' arrival counters (L1 tiles, pulled rows) for
-// the next call (peers finished reading the former, and this rank's L1 and L2 tiles the
+// Zeroes the send-side counters, the m-blocks' arrival counters (L1 tiles, pulled rows) and the
+// L2 tile claims for the next call (peers finished reading the former, and this rank's L1 and L2 tiles the
 // latter, before the last cross-rank barrier).
 template <class Cfg>
 __device__ void reset_workspace(const KernelParams& p, uint8_t* base, const ExpertTables& tables) {
@@ -81,6 +81,7 @@ __device__ void reset_workspace(const KernelParams& p, uint8_t* base, const Expe
     send_count[e] = 0, send_cursor[e] = 0;
   for (int gm = blockIdx.x * blockDim.x + threadIdx.x; gm < tables.mblk_prefix[Cfg::kNumLocalExperts]; gm += stride)
     l1_done[gm] = 0, rows_arrived[gm] = 0;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.l2_tiles_claimed = 0;
 }
 
 }  // namespace megamoe

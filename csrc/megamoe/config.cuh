@@ -64,6 +64,9 @@ struct KernelConfig {
   // 8192 tokens); at I 2048 (v3, v4flash) the two were level within 1.3% (docs/results round 21).
   static constexpr bool kPullDuringL1 = kL1TrailsPull && kInter >= 2048;
   static constexpr int kPullHeadRowsPerWarp = 2;
+  // Slots of the L2 tile queue (pipeline.cuh L2TileQueue): more than the tiles the producer can run
+  // ahead of the math warpgroups (it runs at most kNumStages k-blocks ahead).
+  static constexpr int kL2TileSlots = kNumStages + 2;
   static constexpr int kSwapSubTiles = 2;  // m64 sub-tiles per warpgroup in swap-AB
   // Accumulator floats per math thread: 2 sub-tiles of m64nBLOCK_M (swap-AB), m64n128 (BLOCK_M 64)
   // or two m64n128 halves (BLOCK_M 128): BLOCK_M in every case.

@@ -45,7 +45,8 @@
 
 namespace megamoe {
 
-// One GEMM phase of the math warpgroups; false after a pipeline timeout (pipeline.cuh gemm_wait).
+// One GEMM phase of the math warpgroups (L1: tiles first_tile, first_tile + gridDim.x, ...; L2: the
+// tiles the producer claims); false after a pipeline timeout (pipeline.cuh gemm_wait).
 template <class Cfg, bool kIsL2>
 __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
                                            int first_tile, const StageView<Cfg>& sv, uint64_t* full,
@@ -57,8 +58,13 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
   float acc[Cfg::kAccFloats];
   const int num_tiles = sched.num_tiles();
   PipelineState tok;  // L1's token buffers (exact_l1.cuh convert_l1_tokens)
-  int tile_of_cta = 0;
-  for (int tile = first_tile; tile < num_tiles; tile += gridDim.x, ++tile_of_cta) {
+  const L2TileQueue<Cfg> queue{full};
+  for (int tile_of_cta = 0;; ++tile_of_cta) {
+    int tile = first_tile + tile_of_cta * static_cast<int>(gridDim.x);  // L1: dealt round-robin
+    if constexpr (kIsL2) {
+      if (!queue.pop(p, tile_of_cta, tile)) return false;  // L2: as the producer claimed them
+    }
+    if (tile >= num_tiles) break;
     TileClock clock;
     const Tile t = sched.decode(tile);
     // Where the tile's first pool row lies in the token scales its stages carry (pipeline.cuh load_a).
@@ -212,6 +218,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
       cuda::ptx::mbarrier_init(&tok_full[b], Role::kNumConverterThreads);
       cuda::ptx::mbarrier_init(&tok_empty[b], Cfg::kNumMathThreads);
     }
+    for (int s = 0; s < Cfg::kL2TileSlots; ++s) cuda::ptx::mbarrier_init(&l2_tile_full_of<Cfg>(full)[s], 1);
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
   }
 
@@ -249,10 +256,10 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   }
   if (p.stop_after_phase == 4) return;
 
-  // 5-6: GEMMs: the L1 tiles, then the L2 tiles, dealt round-robin as one sequence (L2
-  // starts where L1 ended). Producer and math warpgroups walk the same tiles, so one
-  // pipeline state per role carries over. An L2 tile waits for the L1 tiles of its own
-  // m-block only (scheduler.cuh l1_done), so a CTA that ends its L1 share early starts on L2 tiles.
+  // 5-6: GEMMs: the L1 tiles, dealt round-robin, then the L2 tiles, which each CTA's producer
+  // claims one at a time (pipeline.cuh L2TileQueue). Producer and math warpgroups walk the same
+  // tiles, so one pipeline state per role carries over. An L2 tile waits for the L1 tiles of its
+  // own m-block only (scheduler.cuh l1_done), so a CTA that ends its L1 share early claims L2 tiles.
   PipelineState ps;
   int parity = 0;
   const TileScheduler<Cfg> l1_sched{tables, Cfg::kL1NumNBlocks}, l2_sched{tables, Cfg::kL2NumNBlocks};
@@ -278,14 +285,11 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
     static_assert(Cfg::kL1TrailsPull && Cfg::kEarlyEpilogueRows, "wait_pool_pulled's reason");
     wait_pool_pulled<Cfg>(p, base, tables);
   }
-  // Each role computes where its L2 tiles start itself: a value computed here would live across
-  // the register-rebalanced regions, and ptxas spills such values at the region boundaries.
-  const auto l2_first = [&] { return (blockIdx.x + gridDim.x - l1_sched.num_tiles() % gridDim.x) % gridDim.x; };
   gemm_roles<Cfg>(
-      [&] { return !Role::tma_issuer() || produce_tiles<Cfg, true>(p, base, l2_sched, l2_first(), sv, full, empty, ps); },
+      [&] { return !Role::tma_issuer() || produce_tiles<Cfg, true>(p, base, l2_sched, 0, sv, full, empty, ps); },
       [&] {
-        return math_phase<Cfg, true>(p, base, tables, l2_first(), sv, full, empty, tok_full, tok_empty, ps,
-                                     amax_exchange, parity);
+        return math_phase<Cfg, true>(p, base, tables, 0, sv, full, empty, tok_full, tok_empty, ps, amax_exchange,
+                                     parity);
       });
   __threadfence_system();
   rank_sync<Cfg::kNumRanks>(p, signals, *rounds_at_start + 2);

@@ -54,6 +54,7 @@ enum SignalWord : int {
   kSigGridGeneration = 1,   // grid barriers completed (mod 2^32)
   kSigRankBarrier = 2,      // arrivals of all ranks at this rank (peers add remotely), mod 2^32
   kSigRankBarrierDone = 3,  // cross-rank barriers this rank has completed, mod 2^32
+  kSigL2TilesClaimed = 4,   // L2 tiles claimed in this call (pipeline.cuh L2TileQueue); 0 between calls
 };
 
 // TMA descriptors, built once per (buffer, weights) and kept in device memory
@@ -89,6 +90,8 @@ struct KernelParams {
   // publish_l1_tile (epilogue.cuh) computed from the buffer's base kept that 64-bit base live through
   // the L1 epilogue, where fast BLOCK_M 64 at H 7168 spilled it (8 B).
   int* l1_done;
+  // This rank's signals[kSigL2TilesClaimed], in a slot of its own for the producer's 40 registers.
+  uint32_t* l2_tiles_claimed;
   const float* w13_scale;  // [E_l, I/128, 2, H/128]  (transformed: gate, up per 128 outputs)
   const float* w2_scale;   // [E_l, H/128, I/128]
 

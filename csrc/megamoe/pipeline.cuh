@@ -9,6 +9,7 @@
 #include "config.cuh"
 #include "params.h"
 #include "scheduler.cuh"
+#include "smem.cuh"
 #include "sync.cuh"
 #include "timeline.cuh"
 
@@ -87,8 +88,41 @@ __device__ __forceinline__ void load_a(const KernelParams& p, const StageView<Cf
                              bar);
 }
 
-// TMA producer for one GEMM phase, tiles first_tile, first_tile + gridDim.x, ...; false after a
-// pipeline timeout (gemm_wait).
+// L2 tiles are claimed, not dealt: the producer takes the next unclaimed one from the call's counter
+// (KernelParams::l2_tiles_claimed, zeroed at exit) once it has issued its current tile's loads, and
+// hands it to the math warpgroups through shared memory. So a CTA that ends its L1 tiles early runs
+// more L2 tiles: with L1 tiles dealt round-robin, up to one L1 tile (3.5 L2 tiles' time at v3) of
+// imbalance at the start of L2, which a round-robin L2 kept to the end of the phase. Tiles are
+// claimed in index order, so neighbouring claims still share their weight tile in L2 cache. The
+// CTA's i-th L2 tile goes to slot i % kL2TileSlots with its barrier (1 arrival): the producer is at
+// most kNumStages k-blocks ahead of the math, so it never refills a slot the math has not read.
+template <class Cfg>
+struct L2TileQueue {
+  uint64_t* full;  // SharedStorage::full: the queue's members lie at constant offsets from it
+  // Producer: the next unclaimed tile of the call (>= the phase's tile count: none left).
+  __device__ int claim(const KernelParams& p) const { return static_cast<int>(atomicAdd(p.l2_tiles_claimed, 1u)); }
+  // Producer: publishes the CTA's i-th tile.
+  __device__ void push(int i, int tile) const {
+    const int slot = i % Cfg::kL2TileSlots;
+    l2_tile_ids_of<Cfg>(full)[slot] = tile;
+    cuda::ptx::mbarrier_arrive(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
+                               &l2_tile_full_of<Cfg>(full)[slot]);
+  }
+  // Producer, in L2: the tile it claimed during L1 and pushed as its 0th (produce_tiles).
+  __device__ int first() const { return *reinterpret_cast<volatile int*>(&l2_tile_ids_of<Cfg>(full)[0]); }
+  // Math warpgroups: the CTA's i-th tile once the producer has published it; false after a timeout
+  // (gemm_wait).
+  __device__ bool pop(const KernelParams& p, int i, int& tile) const {
+    const int slot = i % Cfg::kL2TileSlots;
+    if (!gemm_wait<Cfg>(p, &l2_tile_full_of<Cfg>(full)[slot], (i / Cfg::kL2TileSlots) & 1, kErrPipelineFullTimeout))
+      return false;
+    tile = *reinterpret_cast<volatile int*>(&l2_tile_ids_of<Cfg>(full)[slot]);
+    return true;
+  }
+};
+
+// TMA producer for one GEMM phase: L1's tiles first_tile, first_tile + gridDim.x, ..., L2's as it
+// claims them (L2TileQueue); false after a pipeline timeout (gemm_wait).
 // A rows come from the pool (expert's rows), B rows from the weights (expert's block).
 // The A rows' token scales come with them (load_a; exact L1's converters read theirs). A tile whose
 // A rows are not ready yet (L1: not yet pulled, Cfg::kL1TrailsPull; L2: act rows not yet stored by
@@ -107,7 +141,23 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
   const int* l1_done = reinterpret_cast<const int*>(base + p.off.l1_done);
   const int num_tiles = sched.num_tiles();
   ProducerClock clock;
-  for (int tile = first_tile; tile < num_tiles; tile += gridDim.x, ++clock.tiles) {
+  // Each CTA's first L2 tile is claimed when its L1 tiles start and published when they are all
+  // issued: claimed after them, its atomic's round trip came between a CTA's last L1 tile and its
+  // first L2 tile (v4flash at 1 token, 1.6 us of 70; results round 23). The rebalanced tier has no
+  // register to keep it in through the L1 loop (60 B of spills at 40): it publishes the claim at
+  // once, its round trip before the first L1 load (prefill calls, where 1 us is far below 0.1%).
+  const L2TileQueue<Cfg> queue{full};
+  int first_l2_tile = 0;
+  if constexpr (!kIsL2) {
+    if constexpr (Cfg::kRebalanceRegisters) queue.push(0, queue.claim(p));
+    else first_l2_tile = queue.claim(p);
+  }
+  int tile = kIsL2 ? queue.first() : first_tile;
+  for (int i = 0;; ++i, ++clock.tiles) {
+    if constexpr (kIsL2) {
+      if (i > 0) queue.push(i, tile);
+    }
+    if (tile >= num_tiles) break;
     const Tile t = sched.decode(tile);
     const int row_a = sched.tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
     const int row_b = t.expert * kRowsPerExpert + t.n_block * Cfg::kBlockN;
@@ -145,7 +195,9 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
       tma_load_2d(sv.b(ps.stage), tmap_b, kb * Cfg::kBlockK, row_b, bar);
       ps.advance<Cfg::kNumStages>();
     }
+    tile = kIsL2 ? queue.claim(p) : tile + static_cast<int>(gridDim.x);
   }
+  if constexpr (!kIsL2 && !Cfg::kRebalanceRegisters) queue.push(0, first_l2_tile);
   clock.record(p, kIsL2 ? 1 : 0);
   return true;
 }

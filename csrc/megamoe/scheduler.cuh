@@ -1,5 +1,6 @@
-// The GEMM phases' tile schedule: static round-robin of (expert, m-block, n-block) tiles over
-// CTAs, n-major inside an expert so neighbouring CTAs share the weight tile in L2 cache; the
+// The GEMM phases' tiles: (expert, m-block, n-block), n-major inside an expert so that neighbouring
+// tiles share the weight tile in L2 cache (L1's dealt round-robin over CTAs, L2's claimed in order,
+// pipeline.cuh L2TileQueue); the
 // pipeline position each role carries from tile to tile; the rows_arrived counters by which an L1
 // tile waits for the pull of its m-block's rows (Cfg::kL1TrailsPull); and the l1_done counters by
 // which an L2 tile trails its m-block's L1 tiles.
@@ -45,8 +46,8 @@ struct TileScheduler {
 
 // L2 trails L1 without a grid barrier: each L1 tile adds 1 to l1_done[m-block] once its
 // act rows are stored (l1_epilogue), and an L2 tile of that m-block starts when all
-// kL1NumNBlocks have. Tiles are handed out in one round-robin over the L1 then the L2
-// tiles, and no L1 tile waits on anything, so every wait ends.
+// kL1NumNBlocks have. Each CTA runs its L1 tiles before it claims L2 tiles, and no L1 tile
+// waits on an L2 tile, so every wait ends.
 template <class Cfg>
 __device__ __forceinline__ int global_m_block(const ExpertTables& tables, const Tile& t) {
   return tables.mblk_prefix[t.expert] + t.m_block;
@@ -105,11 +106,10 @@ __device__ __forceinline__ bool wait_pulled_rows(const KernelParams& p, const ui
 // waited for its rows); inside the math region this made ptxas spill 80-124 B. Then a CTA barrier:
 // the register hand-over barrier of L1 (kernel.cuh gemm_roles) must be complete before a math warp
 // arrives on it for L2. Without the grid barrier that used to stand here, a math warpgroup with no
-// L1 tiles could reach L2's arrival while the producer warpgroup still waited in L1's, which would
-// then complete with the wrong threads, and the producer's setmaxnreg.inc would wait for registers
-// the math warpgroups held: the call hangs (results round 23: BLOCK_M 128 with 0 tokens, once the
-// producer thread's L1 work took an atomic's round trip). Bounded (traps: outside the regions that
-// must unwind).
+// L1 tiles reached L2's arrival while the producer warpgroup still waited in L1's, which then
+// completed with the wrong threads, and the producer's setmaxnreg.inc waited for registers the math
+// warpgroups held: the call hung (results round 23, BLOCK_M 128 with 0 tokens). Bounded (traps:
+// outside the regions that must unwind).
 template <class Cfg>
 __device__ __forceinline__ void wait_pool_pulled(const KernelParams& p, const uint8_t* base, const ExpertTables& tables) {
   if (!Role::producer_warpgroup()) {

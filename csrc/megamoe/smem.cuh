@@ -20,6 +20,10 @@ struct SharedStorage {
   uint64_t empty[Cfg::kNumStages];
   uint64_t tok_full[2];
   uint64_t tok_empty[2];
+  // The L2 tiles the producer claimed, for the math warpgroups (pipeline.cuh L2TileQueue): per slot
+  // a barrier (1 arrival) and the tile.
+  uint64_t l2_tile_full[Cfg::kL2TileSlots];
+  int l2_tile_ids[Cfg::kL2TileSlots];
   uint32_t rank_rounds_at_start;  // sync.cuh rank_rounds_done when the call started (kernel.cuh)
   // L1 requant amax exchange across the math warps, [k-block parity][math warp][row] (epilogue.cuh).
   alignas(1024) float amax_exchange[2][Cfg::kAmaxSlots][Cfg::kBlockM];
@@ -37,8 +41,9 @@ struct SharedStorage {
   // token scales (config.cuh kStageScaleFloats), 1024-aligned for the 128B swizzle. The dispatch phases alias them as int scratch (Cfg::kScratchInts).
   alignas(1024) uint8_t stages[Cfg::kNumStages][Cfg::kStageBytes];
 
-  static_assert(sizeof(full) + sizeof(empty) + sizeof(tok_full) + sizeof(tok_empty) + sizeof(rank_rounds_at_start) <= 1024,
-                "the barriers and the rank round fit before the amax exchange");
+  static_assert(sizeof(full) + sizeof(empty) + sizeof(tok_full) + sizeof(tok_empty) + sizeof(l2_tile_full) +
+                    sizeof(l2_tile_ids) + sizeof(rank_rounds_at_start) <= 1024,
+                "the barriers, the L2 tile queue and the rank round fit before the amax exchange");
   static_assert(Cfg::kScratchInts * 4 <= sizeof(stages), "dispatch scratch does not fit");
 };
 
@@ -48,6 +53,18 @@ template <class Cfg>
 __device__ __forceinline__ uint8_t* quad_lines_of(float* amax_exchange) {
   return reinterpret_cast<uint8_t*>(amax_exchange) +
          (offsetof(SharedStorage<Cfg>, quad_lines) - offsetof(SharedStorage<Cfg>, amax_exchange));
+}
+
+// The L2 tile queue's members, addressed from the full barriers' pointer (a constant offset: no
+// further shared-memory pointer stays live in the producer's 40 registers).
+template <class Cfg>
+__device__ __forceinline__ uint64_t* l2_tile_full_of(uint64_t* full) {
+  return full + (offsetof(SharedStorage<Cfg>, l2_tile_full) - offsetof(SharedStorage<Cfg>, full)) / 8;
+}
+template <class Cfg>
+__device__ __forceinline__ int* l2_tile_ids_of(uint64_t* full) {
+  return reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(full) +
+                                (offsetof(SharedStorage<Cfg>, l2_tile_ids) - offsetof(SharedStorage<Cfg>, full)));
 }
 
 // Bytes of shared memory a variant uses, without the 1 KiB of alignment slack.

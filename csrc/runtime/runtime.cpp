@@ -195,6 +195,7 @@ int make_params(const std::vector<uint64_t>& peer_ptrs, int rank, const std::map
   for (size_t r = 0; r < peer_ptrs.size(); ++r) p->peer_base[r] = reinterpret_cast<uint8_t*>(peer_ptrs[r]);
   const uint64_t base = peer_ptrs[rank];
   p->l1_done = reinterpret_cast<int*>(base + p->off.l1_done);
+  p->l2_tiles_claimed = reinterpret_cast<uint32_t*>(base + p->off.signals) + megamoe::kSigL2TilesClaimed;
   const uint64_t P = pool_capacity, H = hidden, I = inter, EL = num_local_experts;
   const auto FP8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   CUtensorMap maps[megamoe::kNumTmaps];
