@@ -13,10 +13,10 @@ Per rank, in order (every region 256-byte aligned):
               expert's owner pulls. Counts and cursors are zeroed by the kernel at exit.
   signals     barrier state that lives across calls (SIGNAL_WORDS, u32 each; wrap-safe,
               csrc/megamoe/sync.cuh), and the call's count of claimed L2 tiles (zeroed at exit)
-  l1_done     [ceil(P / MIN_BLOCK_M)] i32: per m-block of the pool, how many L1 tiles have stored
+  l1_done     [ceil(M / MIN_BLOCK_M)] i32: per m-block of the call, how many L1 tiles have stored
               their act rows; an L2 tile of that m-block starts when all have (no grid
               barrier between L1 and L2). Zeroed by the kernel at exit.
-  rows_arrived [ceil(P / MIN_BLOCK_M)] i32: per m-block of the pool, how many of its rows the
+  rows_arrived [ceil(M / MIN_BLOCK_M)] i32: per m-block of the call, how many of its rows the
               pull has copied; an L1 tile starts when all have (fast numerics: no grid barrier
               between the pull and L1). Zeroed by the kernel at exit.
   L1 pool     pool_x [P, H] fp8, pool_sf [H/128, P] f32 (MN-major for TMA),
@@ -24,8 +24,11 @@ Per rank, in order (every region 256-byte aligned):
   L2 pool     act [P, I] fp8, act_sf [I/128, P] f32
   combine     combine [N, K, H] bf16: expert outputs scattered here by whichever rank
               computed them, summed over k by the owner of the token.
-P (pool rows) bounds every routing: all R*N*K entries plus per-expert padding to
-POOL_ALIGN_M rows.
+M (max_pool_rows) bounds every routing: all R*N*K entries plus per-expert padding to
+POOL_ALIGN_M rows. P (pool_capacity) is what the pools hold: by default a balanced routing's rows
+and half as many again (POOL_ROWS_PER_OWN_ENTRY), at most M. Where P < M (BufferShape.windowed) a
+call whose rows do not fit runs its m-blocks in windows of P / BLOCK_M (csrc/megamoe/kernel.cuh
+mega_moe_windows), so no routing needs more memory.
 """
 from __future__ import annotations
 
@@ -52,7 +55,13 @@ SIGNAL_WORDS = {
     "rank_barrier": 2,       # arrivals of all ranks at this rank's cross-rank barrier, mod 2^32
     "rank_barrier_done": 3,  # cross-rank barriers completed, mod 2^32 (rank_barrier = done * R)
     "l2_tiles_claimed": 4,   # L2 tiles claimed in the call; zeroed by the kernel at exit
+    "windows_pending": 5,    # 1 while a call's later pool windows wait for the window kernel; else 0
 }
+# The pools' default rows, as a multiple of the entries one rank's own tokens make (N * K), plus
+# the per-expert padding: the rows of a balanced routing at any EP width and half as many again.
+# A rank that receives more runs its call in pool windows (BufferShape.windowed). With it the
+# buffer is at most 1 GiB (v4flash) / 2 GiB (v3) per rank at EP8 with 8192 tokens (README table).
+POOL_ROWS_PER_OWN_ENTRY = 1.5
 # Section 2 limits of docs/design.md.
 MAX_TOPK = 16
 MAX_LOCAL_EXPERTS = 512
@@ -71,6 +80,10 @@ class BufferShape:
     num_topk: int
     hidden: int
     intermediate_size: int
+    # Rows of the pools (pool_capacity); None: the default (POOL_ROWS_PER_OWN_ENTRY). Fewer rows
+    # than the worst routing needs make calls that receive more run in windows (tests force small
+    # pools with it).
+    pool_rows: Optional[int] = None
 
     def __post_init__(self):
         def need(cond, name, what):
@@ -92,6 +105,12 @@ class BufferShape:
         need(self.hidden > 0 and self.hidden % 128 == 0, "hidden", "a positive multiple of 128")
         need(self.intermediate_size > 0 and self.intermediate_size % 128 == 0, "intermediate_size",
              "a positive multiple of 128")
+        if self.pool_rows is not None:
+            if not isinstance(self.pool_rows, int) or isinstance(self.pool_rows, bool):
+                raise TypeError(f"pool_rows must be an int or None, got {type(self.pool_rows).__name__}")
+            need(self.pool_rows % POOL_ALIGN_M == 0 and POOL_ALIGN_M <= self.pool_rows <= self.max_pool_rows,
+                 "pool_rows", f"a multiple of {POOL_ALIGN_M} in [{POOL_ALIGN_M}, {self.max_pool_rows}] (the rows "
+                 "the worst routing needs)")
 
     @property
     def num_local_experts(self) -> int:
@@ -102,11 +121,31 @@ class BufferShape:
         """Most (token, slot) entries one rank can receive: every slot of every rank."""
         return self.num_ranks * self.num_max_tokens_per_rank * self.num_topk
 
+    def _padded_rows(self, entries: int) -> int:
+        """Pool rows that `entries` rows need in any split over the local experts: each expert's
+        m-blocks round its rows up (by less than POOL_ALIGN_M, the largest tier)."""
+        return _round_up(entries + min(self.num_local_experts, entries) * (POOL_ALIGN_M - 1), POOL_ALIGN_M)
+
+    @property
+    def max_pool_rows(self) -> int:
+        """The rows the worst routing needs (every entry of every rank to this rank's experts):
+        the call's m-blocks, whose counters (l1_done, rows_arrived) are sized by it."""
+        return self._padded_rows(self.num_max_recv_entries)
+
     @property
     def pool_capacity(self) -> int:
-        entries = self.num_max_recv_entries
-        padded = entries + min(self.num_local_experts, entries) * (POOL_ALIGN_M - 1)
-        return _round_up(padded, POOL_ALIGN_M)
+        """Rows of the pools: pool_rows, else a balanced routing's rows and half as many again
+        (POOL_ROWS_PER_OWN_ENTRY), at most max_pool_rows."""
+        if self.pool_rows is not None:
+            return self.pool_rows
+        own = self.num_max_tokens_per_rank * self.num_topk
+        return min(self.max_pool_rows, self._padded_rows(int(own * POOL_ROWS_PER_OWN_ENTRY)))
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some routing needs more rows than the pools hold: its calls then run the pool
+        in windows (csrc/megamoe/kernel.cuh mega_moe_windows; its variants are built for it)."""
+        return self.pool_capacity < self.max_pool_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +169,7 @@ class BufferLayout:
         self.shape = shape
         n, k, h, i = shape.num_max_tokens_per_rank, shape.num_topk, shape.hidden, shape.intermediate_size
         e, p = shape.num_experts, shape.pool_capacity
+        num_mblocks = _round_up(shape.max_pool_rows, MIN_BLOCK_M) // MIN_BLOCK_M
         specs = [
             ("x", (n, h), torch.float8_e4m3fn),
             ("x_sf", (n, h // 128), torch.float32),
@@ -140,10 +180,10 @@ class BufferLayout:
             ("send_offset", (e,), torch.int32),
             ("send_list", (n * k,), torch.int32),
             ("signals", (NUM_SIGNAL_WORDS,), torch.int32),
-            # One counter per m-block of the smallest BLOCK_M tier: P >= every entry plus
-            # POOL_ALIGN_M - 1 rows per expert that has any, so P / MIN_BLOCK_M >= any routing's m-blocks.
-            ("l1_done", (_round_up(p, MIN_BLOCK_M) // MIN_BLOCK_M,), torch.int32),
-            ("rows_arrived", (_round_up(p, MIN_BLOCK_M) // MIN_BLOCK_M,), torch.int32),
+            # One counter per m-block of the smallest BLOCK_M tier: max_pool_rows >= every entry plus
+            # POOL_ALIGN_M - 1 rows per expert that has any, so this is >= any routing's m-blocks.
+            ("l1_done", (num_mblocks,), torch.int32),
+            ("rows_arrived", (num_mblocks,), torch.int32),
             ("pool_x", (p, h), torch.float8_e4m3fn),
             ("pool_sf", (h // 128, p), torch.float32),
             ("pool_weight", (p,), torch.float32),
@@ -165,9 +205,11 @@ class BufferLayout:
 
 
 def get_symm_buffer_size(num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_topk: int,
-                         hidden: int, intermediate_size: int) -> int:
-    """Bytes of symmetric memory each rank allocates for this shape."""
-    shape = BufferShape(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size)
+                         hidden: int, intermediate_size: int, pool_rows: Optional[int] = None) -> int:
+    """Bytes of symmetric memory each rank allocates for this shape (the kernel's whole workspace:
+    it allocates nothing else). pool_rows: see BufferShape."""
+    shape = BufferShape(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size,
+                        pool_rows)
     return BufferLayout(shape).total_bytes
 
 
@@ -275,11 +317,13 @@ def _run_releasers(releasers: List[Callable[[], None]]) -> None:
 
 
 def get_local_rank_buffers(num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_topk: int,
-                           hidden: int, intermediate_size: int, device=None) -> Tuple[SymmBuffer, ...]:
+                           hidden: int, intermediate_size: int, device=None,
+                           pool_rows: Optional[int] = None) -> Tuple[SymmBuffer, ...]:
     """R ranks' buffers on one GPU, for testing the cross-rank protocol without more GPUs:
     rank r's kernel must run concurrently with the others (its own stream) on its share of
-    the SMs, which each buffer's `num_sms` records."""
-    shape = BufferShape(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size)
+    the SMs, which each buffer's `num_sms` records. pool_rows: see BufferShape."""
+    shape = BufferShape(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size,
+                        pool_rows)
     layout = BufferLayout(shape)
     device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
     storages = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(num_ranks)]
@@ -289,12 +333,14 @@ def get_local_rank_buffers(num_ranks: int, num_experts: int, num_max_tokens_per_
 
 
 def get_symm_buffer(group, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
-                    intermediate_size: int, device: Optional[torch.device] = None) -> SymmBuffer:
+                    intermediate_size: int, device: Optional[torch.device] = None,
+                    pool_rows: Optional[int] = None) -> SymmBuffer:
     """Allocate (collectively, when `group` is given) the symmetric buffer for this shape.
 
     group: a torch.distributed ProcessGroup whose ranks share NVLink, or None for one GPU.
     device: where the buffer lives; defaults to the current CUDA device. A CPU buffer is
     accepted for staging tests only: `fp8_mega_moe` refuses it.
+    pool_rows: the pools' rows (BufferShape); the default bounds the memory of any routing.
     """
     if group is None:
         num_ranks, rank = 1, 0
@@ -302,7 +348,8 @@ def get_symm_buffer(group, num_experts: int, num_max_tokens_per_rank: int, num_t
         import torch.distributed as dist
 
         num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    shape = BufferShape(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size)
+    shape = BufferShape(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size,
+                        pool_rows)
     layout = BufferLayout(shape)
     if device is None:
         if not torch.cuda.is_available():

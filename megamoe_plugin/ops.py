@@ -24,7 +24,7 @@ import torch
 
 from .buffer import SymmBuffer
 from .heuristics import DEFAULT_NUMERICS
-from .jit import (NUM_THREADS, KERNEL_NAME, KernelMissingError, KernelVariant, compile_variant, compile_variants,
+from .jit import (NUM_THREADS, KERNEL_NAME, WINDOW_KERNEL_NAME, KernelMissingError, KernelVariant, compile_variant, compile_variants,
                   missing_variants)
 from .jit.command import build_command
 from .progress import progress_bar
@@ -305,7 +305,8 @@ def _kernel_handle(device: torch.device, variant: KernelVariant) -> int:
         _refuse_in_capture(f"compile and load kernel {variant.name()}")
         compiled = compile_variant(variant, verbose=True)
         with torch.cuda.device(device):
-            handle = _runtime().load_kernel(str(compiled.cubin), KERNEL_NAME, compiled.smem_bytes)
+            handle = _runtime().load_kernel(str(compiled.cubin), KERNEL_NAME, compiled.smem_bytes,
+                                            WINDOW_KERNEL_NAME if variant.windowed else "")
         _kernels[key] = handle
         _watchdog.start()  # before the first launch of any kernel
     return handle

@@ -86,7 +86,8 @@ def reset_after_stopped_call(buf) -> None:
 
     for name in SELF_CLEANING_REGIONS:
         buf.view(name).zero_()
-    buf.view("signals")[SIGNAL_WORDS["l2_tiles_claimed"]] = 0
+    for word in ("l2_tiles_claimed", "windows_pending"):
+        buf.view("signals")[SIGNAL_WORDS[word]] = 0
 
 
 def set_barrier_state(bufs, grid_generation: int, rank_rounds_done: int) -> None:

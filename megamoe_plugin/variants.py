@@ -66,7 +66,7 @@ def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math:
                              f"experts in {numerics} numerics")
         cfg = dataclasses.replace(cfg, num_stages=forced_num_stages)
     return KernelVariant(s.hidden, s.intermediate_size, s.num_topk, s.num_experts, s.num_ranks, cfg.block_m,
-                         cfg.num_stages, fast_math, numerics)
+                         cfg.num_stages, fast_math, numerics, windowed=s.windowed)
 
 
 # The grid size given to the selection: it sets only the launch's CTA count, which is no

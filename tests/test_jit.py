@@ -109,3 +109,20 @@ def test_parse_ptxas_flags_serialized_wgmma(code, reason):
     usage = jit.parse_ptxas(serialized)
     assert usage.wgmma_serialized == code
     assert usage.wgmma_serialized and usage.registers == 168 and usage.spill_stores == 0
+
+
+def test_parse_ptxas_reads_each_entry_of_a_windowed_variant():
+    """A windowed variant's cubin has two entries (the fused kernel, the window kernel): each one's
+    usage and serialization notes are its own, so the window kernel's spills (which the compile
+    check shows but does not fail) never pass for the fused kernel's."""
+    log = (f"ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+           f"to insufficient register resources for the function '{jit.WINDOW_KERNEL_NAME}'\n"
+           f"ptxas info    : Compiling entry function '{jit.WINDOW_KERNEL_NAME}' for 'sm_90a'\n"
+           "    392 bytes stack frame, 780 bytes spill stores, 788 bytes spill loads\n"
+           "ptxas info    : Used 168 registers, used 3 barriers, 392 bytes cumulative stack size\n"
+           f"ptxas info    : Compiling entry function '{jit.KERNEL_NAME}' for 'sm_90a'\n"
+           "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Used 166 registers, used 3 barriers\n")
+    fused, window = jit.parse_ptxas(log), jit.parse_ptxas(log, jit.WINDOW_KERNEL_NAME)
+    assert (fused.registers, fused.spill_stores, fused.wgmma_serialized) == (166, 0, "")
+    assert (window.registers, window.spill_stores, window.spill_loads, window.wgmma_serialized) == (168, 780, 788, "C7512")

@@ -154,9 +154,29 @@ def test_select_variant_carries_the_numerics_mode(monkeypatch):
     fast, exact = (ops.select_variant(buf, 512, True, numerics) for numerics in ("fast", "exact"))
     assert (fast.numerics, exact.numerics) == ("fast", "exact")
     assert fast.name() != exact.name() and fast.name().endswith("_fast")
-    assert "true>" in exact.source().split("\n")[1] and "false>" in fast.source().split("\n")[1]
+    # KernelConfig's last two arguments: exact L1, windowed.
+    assert "true, false>" in exact.source().split("\n")[1] and "false, false>" in fast.source().split("\n")[1]
     with pytest.raises(ValueError, match="numerics must be one of"):
         jit.KernelVariant(4096, 2048, 6, 32, 1, 64, 4, True, "fp8")
+
+
+def test_select_variant_is_windowed_where_the_buffer_is(monkeypatch):
+    """A buffer whose pools hold fewer rows than the worst routing (a pool_rows override on one
+    rank; the default pools at R > 1) runs windowed variants: a second entry, the window kernel,
+    which the runtime launches after the fused kernel; other buffers' variants have none."""
+    from megamoe_plugin import jit, ops
+
+    monkeypatch.setattr(ops, "_device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(ops, "_grid_size", lambda buf: 132)
+    monkeypatch.delenv("MEGAMOE_BLOCK_M", raising=False)
+    whole = mm.get_symm_buffer(None, 32, 512, 6, 4096, 2048, device="cpu")
+    windowed = mm.get_symm_buffer(None, 32, 512, 6, 4096, 2048, device="cpu", pool_rows=1024)
+    for numerics in ("fast", "exact"):
+        plain, win = (ops.select_variant(b, 512, True, numerics) for b in (whole, windowed))
+        assert not plain.windowed and win.windowed and win.name() == plain.name() + "_win"
+        assert jit.WINDOW_KERNEL_NAME not in plain.source() and f"{jit.WINDOW_KERNEL_NAME}(" in win.source()
+        assert win.source().split("\n")[1].endswith(", true>;")
+    assert mm.buffer.BufferShape(2, 64, 512, 6, 4096, 2048).windowed  # the default pools at EP2
 
 
 def test_select_variant_is_memoized_and_follows_forced_block_m(monkeypatch, tmp_path):

@@ -1,7 +1,10 @@
 """Runs the kernel phase by phase on one small case and checks each phase's output
 against the reference's intermediates (docs/design.md section 2 steps).
 
-    python3 tools/debug_phases.py [H I K E N] [--phases 2,4,5,6,0]
+    python3 tools/debug_phases.py [H I K E N] [--phases 2,4,5,6,0] [--pool-rows P]
+
+--pool-rows: pools of P rows (buffer.BufferShape.pool_rows), fewer than the call needs, so that it
+runs in pool windows; only the whole call (phase 0) is checked then.
 """
 import argparse
 import math
@@ -17,11 +20,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("shape", nargs="*", type=int, default=[2048, 768, 8, 8, 33])
     parser.add_argument("--phases", default="2,4,5,6,0")
+    parser.add_argument("--pool-rows", type=int, default=None)
     args = parser.parse_args()
     H, I, K, E, N = args.shape
+    if args.pool_rows is not None and args.phases != "0":
+        parser.error("--pool-rows checks the whole call only: pass --phases 0")
     gen = torch.Generator(device="cuda").manual_seed(7)
     layer = random_layer(E, H, I, "cuda", gen)
-    buf = mm.get_symm_buffer(None, E, N, K, H, I)
+    buf = mm.get_symm_buffer(None, E, N, K, H, I, pool_rows=args.pool_rows)
     inputs = random_inputs(N, H, E, K, "uniform", "cuda", gen)
     fill_buffer(buf, inputs)
     ranks = [{k: v for k, v in inputs.items() if k != "hidden_states"}]

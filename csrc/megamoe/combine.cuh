@@ -81,7 +81,12 @@ __device__ void reset_workspace(const KernelParams& p, uint8_t* base, const Expe
     send_count[e] = 0, send_cursor[e] = 0;
   for (int gm = blockIdx.x * blockDim.x + threadIdx.x; gm < tables.mblk_prefix[Cfg::kNumLocalExperts]; gm += stride)
     l1_done[gm] = 0, rows_arrived[gm] = 0;
-  if (blockIdx.x == 0 && threadIdx.x == 0) *p.l2_tiles_claimed = 0;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    *p.l2_tiles_claimed = 0;
+    // The window kernel's flag (kernel.cuh mega_moe_windows): every CTA of it read the flag at its
+    // start, before the cross-rank barrier that came before this.
+    if constexpr (Cfg::kWindowed) reinterpret_cast<uint32_t*>(base + p.off.signals)[kSigWindowsPending] = 0;
+  }
 }
 
 }  // namespace megamoe

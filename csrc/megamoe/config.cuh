@@ -6,7 +6,7 @@
 namespace megamoe {
 
 template <int kHidden_, int kInter_, int kTopk_, int kNumExperts_, int kNumRanks_, int kBlockM_, int kNumStages_,
-          bool kFastMath_, bool kExactL1_>
+          bool kFastMath_, bool kExactL1_, bool kWindowed_ = false>
 struct KernelConfig {
   static constexpr int kHidden = kHidden_;
   static constexpr int kInter = kInter_;
@@ -21,6 +21,11 @@ struct KernelConfig {
   // (exact_l1.cuh mma_tile_l1). Otherwise ("fast") L1 runs on FP8 tensor cores like L2, promoted
   // into float32 every 128 K.
   static constexpr bool kExactL1 = kExactL1_;
+  // The pools hold fewer rows than the worst routing needs (buffer.py BufferShape.windowed: the
+  // ring of pool_capacity rows): a rank whose m-blocks need more runs them in windows of
+  // consecutive m-blocks, the first in the fused kernel, the rest in the window kernel that the
+  // host launches after it (kernel.cuh mega_moe_windows). Unwindowed variants compile none of it.
+  static constexpr bool kWindowed = kWindowed_;
 
   // A GEMM tile is BLOCK_M pool rows x 256 weight rows x 128 (K). Exact L1 is always swap-AB on
   // FP16 tensor cores (weight rows on the WGMMA M side as two m64 sub-tiles per warpgroup,

@@ -119,19 +119,30 @@ __device__ void dispatch_list(const KernelParams& p, uint8_t* base, int* local_c
   }
 }
 
+// Windowed variants (Cfg::kWindowed): the part of the pool the GEMM phases run, the global m-blocks
+// [first_mblock, end_mblock) (a window of consecutive m-blocks, at most pool_capacity / BLOCK_M of
+// them); their rows lie in the pool from row 0 on, where exp_start has been shifted by the window's
+// first row (kernel.cuh enter_window). l2_claim_base: the call's L2 claim counter when the window's
+// L2 tiles start (pipeline.cuh L2TileQueue).
+struct PoolWindow {
+  int first_mblock, end_mblock, l2_claim_base, index;
+};
+
 // Tables every CTA keeps in shared memory for the GEMM phases.
 struct ExpertTables {
-  int* exp_start;    // [E_l] first pool row
+  int* exp_start;    // [E_l] first pool row (windowed: shifted by the window's first row, may be negative)
   int* exp_count;    // [E_l] rows received
-  int* mblk_prefix;  // [E_l + 1] exclusive prefix of ceil(count / BLOCK_M)
+  int* mblk_prefix;  // [E_l + 1] exclusive prefix of ceil(count / BLOCK_M), over the whole call
+  const PoolWindow* window;  // windowed variants only
 };
 
 // Receive side, step 1 (every CTA, redundantly): read how many entries each rank sends
 // to each local expert and where they sit in its send list; lay out the pool.
-// `src_count` / `src_offset` are [E_l * R] shared-memory scratch.
+// `src_count` / `src_offset` are [E_l * R] shared-memory scratch. `count_stats`: add the counts to
+// recv_stats (once per call: the window kernel lays the pool out again for each window).
 template <class Cfg>
 __device__ void dispatch_layout(const KernelParams& p, const ExpertTables& t, int* src_count, int* src_offset,
-                                int* scan_scratch) {
+                                int* scan_scratch, bool count_stats) {
   constexpr int R = Cfg::kNumRanks, EL = Cfg::kNumLocalExperts;
   for (int i = threadIdx.x; i < EL * R; i += blockDim.x) {
     const int el = i / R, s = i % R;
@@ -153,7 +164,7 @@ __device__ void dispatch_layout(const KernelParams& p, const ExpertTables& t, in
   const int total_mblocks = block_exclusive_scan<Cfg::kNumThreads>(t.mblk_prefix, EL, scan_scratch);
   if (threadIdx.x == 0) t.mblk_prefix[EL] = total_mblocks;
   __syncthreads();
-  if (blockIdx.x == 0 && p.recv_stats != nullptr)
+  if (count_stats && blockIdx.x == 0 && p.recv_stats != nullptr)
     for (int el = threadIdx.x; el < EL; el += blockDim.x) p.recv_stats[el] += t.exp_count[el];
 }
 
@@ -220,6 +231,50 @@ __device__ __forceinline__ int pool_rows(const ExpertTables& t, int num_local_ex
   return t.exp_start[num_local_experts - 1] + t.exp_count[num_local_experts - 1];
 }
 
+// Pool windows (Cfg::kWindowed). The layout above is the call's, as if the pool held every row:
+// experts back to back from row 0, global m-blocks numbered by mblk_prefix. The pool holds
+// pool_capacity rows, so a window is up to pool_capacity / BLOCK_M consecutive global m-blocks
+// (their rows span at most that many BLOCK_M): window w starts at m-block w * that. The per-m-block
+// counters (rows_arrived, l1_done) keep the call's numbering; only the rows move.
+template <class Cfg>
+__device__ __forceinline__ int mblocks_per_window(const KernelParams& p) { return p.pool_capacity / Cfg::kBlockM; }
+
+template <class Cfg>
+__device__ __forceinline__ int num_pool_windows(const KernelParams& p, const ExpertTables& t) {
+  const int per = mblocks_per_window<Cfg>(p);
+  return max(1, (t.mblk_prefix[Cfg::kNumLocalExperts] + per - 1) / per);
+}
+
+// The first row of global m-block gm (< the call's m-blocks) in the tables' current row frame.
+template <class Cfg>
+__device__ __forceinline__ int mblock_first_row(const ExpertTables& t, int gm) {
+  const int el = last_le(t.mblk_prefix, Cfg::kNumLocalExperts, gm);
+  return t.exp_start[el] + (gm - t.mblk_prefix[el]) * Cfg::kBlockM;
+}
+
+// Every thread, after dispatch_layout: makes window w current. Thread 0 writes its bounds and L2
+// claim base (pipeline.cuh L2TileQueue: each CTA ends a window's L2 tiles with one claim past them)
+// and every thread shifts exp_start by the window's first row, so that the window's rows are pool
+// rows [0, pool_window_rows) wherever the phases compute a row from the tables.
+template <class Cfg>
+__device__ void enter_pool_window(const KernelParams& p, const ExpertTables& t, PoolWindow* window, int w) {
+  const int per = mblocks_per_window<Cfg>(p);
+  const int first = w * per, end = min(t.mblk_prefix[Cfg::kNumLocalExperts], first + per);
+  const int shift = w == 0 ? 0 : mblock_first_row<Cfg>(t, first);
+  __syncthreads();  // every thread has read the unshifted rows
+  for (int el = threadIdx.x; el < Cfg::kNumLocalExperts; el += blockDim.x) t.exp_start[el] -= shift;
+  if (threadIdx.x == 0) *window = {first, end, first * Cfg::kL2NumNBlocks + w * static_cast<int>(gridDim.x), w};
+  __syncthreads();
+}
+
+// The current window's rows: from pool row 0 to where its end m-block starts (or the last row).
+template <class Cfg>
+__device__ __forceinline__ int pool_window_rows(const ExpertTables& t) {
+  const int end = t.window->end_mblock;
+  return end < t.mblk_prefix[Cfg::kNumLocalExperts] ? mblock_first_row<Cfg>(t, end)
+                                                     : pool_rows(t, Cfg::kNumLocalExperts);
+}
+
 // Pool rows [0, row_end) by every warp of the grid, before the GEMM phases, with the layout's
 // per-(expert, source rank) counts and offsets from shared memory. Where L1 tiles wait for their
 // rows (Cfg::kL1TrailsPull) each row is published.
@@ -237,7 +292,7 @@ __device__ void dispatch_pull(const KernelParams& p, uint8_t* base, const Expert
   }
 }
 
-// Pool rows [first_row, end) while the L1 tiles run (Cfg::kPullDuringL1): warp `worker` of
+// Pool rows [first_row, row_end) while the L1 tiles run (Cfg::kPullDuringL1): warp `worker` of
 // `num_workers` over the grid. The layout's scratch is the pipeline stages by now, so the
 // source ranks' counts and offsets come from their send side (unchanged until the call's
 // last rank barrier). Two loads in flight per lane, one batch at a time: these warps run at the
@@ -245,9 +300,8 @@ __device__ void dispatch_pull(const KernelParams& p, uint8_t* base, const Expert
 // spilled.
 template <class Cfg>
 __device__ void pull_rows_during_l1(const KernelParams& p, uint8_t* base, const ExpertTables& t, int first_row,
-                                    int worker, int num_workers) {
+                                    int row_end, int worker, int num_workers) {
   constexpr int EL = Cfg::kNumLocalExperts;
-  const int row_end = pool_rows(t, EL);
   for (int row = first_row + worker; row < row_end; row += num_workers) {
     // The regions' addresses are formed anew in each row: hoisted out of the loop they were a
     // dozen 64-bit values live through it, which spilled at the producer's register budget.

@@ -19,6 +19,9 @@
 // (rows_arrived, scheduler.cuh). At I >= 2048 the grid pulls the first rows before L1 and the
 // producer warpgroup's warps 1-3 the rest during it (config.cuh kPullDuringL1). L2 tiles trail
 // L1 tiles the same way (l1_done). The other phases are separated by barriers.
+// Windowed variants (config.cuh kWindowed: pools of fewer rows than the worst routing) run phases
+// 3-6 for a window of the call's m-blocks at a time: the first here, the rest in the window kernel
+// (mega_moe_windows), which then runs phase 7.
 //
 // Named barriers: 0 = __syncthreads, 1 = math warpgroups' amax exchange.
 // mbarriers: full[s] / empty[s] per pipeline stage, tok_full[b] / tok_empty[b] per L1 token
@@ -183,13 +186,10 @@ __device__ __forceinline__ uint8_t* aligned_dynamic_smem() {
   return smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
 }
 
-// The kernel body; the JIT-generated translation unit wraps it in an extern "C"
-// __global__ entry with __launch_bounds__(Cfg::kNumThreads, 1) (see jit.py).
+// The CTA's shared memory as the phases address it (base + offsetof, see aligned_dynamic_smem).
 template <class Cfg>
-__device__ __forceinline__ void mega_moe(const KernelParams& p) {
-  static_assert(Cfg::kNumThreads == Role::kProducerWarpgroupThreads + Cfg::kNumMathThreads, "roles.cuh");
+struct CtaShared {
   using Smem = SharedStorage<Cfg>;
-  static_assert(kSmemBytes<Cfg> + 1024 <= 232448, "shared memory over the SM90 per-block limit");
   uint8_t* smem = aligned_dynamic_smem();
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + offsetof(Smem, full));
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + offsetof(Smem, empty));
@@ -197,55 +197,62 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   uint64_t* tok_empty = reinterpret_cast<uint64_t*>(smem + offsetof(Smem, tok_empty));
   float* amax_exchange = reinterpret_cast<float*>(smem + offsetof(Smem, amax_exchange));
   int* table_base = reinterpret_cast<int*>(smem + offsetof(Smem, tables));
-  const ExpertTables tables{table_base, table_base + Cfg::kNumLocalExperts, table_base + 2 * Cfg::kNumLocalExperts};
-  const StageView<Cfg> sv{smem + offsetof(Smem, stages), smem + offsetof(Smem, l1_tokens),
-                          reinterpret_cast<float*>(smem + offsetof(Smem, l1_token_scales))};
+  PoolWindow* window = reinterpret_cast<PoolWindow*>(smem + offsetof(Smem, pool_window));
+  ExpertTables tables{table_base, table_base + Cfg::kNumLocalExperts, table_base + 2 * Cfg::kNumLocalExperts, window};
+  StageView<Cfg> sv{smem + offsetof(Smem, stages), smem + offsetof(Smem, l1_tokens),
+                    reinterpret_cast<float*>(smem + offsetof(Smem, l1_token_scales))};
   int* scratch = reinterpret_cast<int*>(sv.stages);  // dispatch phases only
-
-  uint8_t* base = p.peer_base[p.rank];
-  uint32_t* signals = reinterpret_cast<uint32_t*>(base + p.off.signals);
   // Read before this CTA reaches its first grid barrier, so before CTA 0 can advance it; kept in
   // shared memory, since a register holding it across the GEMM phases made BLOCK_M 64 spill it.
   volatile uint32_t* rounds_at_start = reinterpret_cast<uint32_t*>(smem + offsetof(Smem, rank_rounds_at_start));
 
-  if (threadIdx.x == 0) {
-    *rounds_at_start = rank_rounds_done(signals);
+  // Thread 0: the mbarriers of the GEMM phases, fresh (phase 0, no arrivals). `reinit`: they were
+  // initialized before and are quiescent (a grid barrier after the last GEMM phase that used them).
+  __device__ void init_barriers(bool reinit) const {
+    const auto init = [&](uint64_t* bar, int arrivals) {
+      if (reinit) asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))) : "memory");
+      cuda::ptx::mbarrier_init(bar, arrivals);
+    };
     for (int s = 0; s < Cfg::kNumStages; ++s) {
-      cuda::ptx::mbarrier_init(&full[s], 1);
-      cuda::ptx::mbarrier_init(&empty[s], Cfg::kNumMathThreads);
+      init(&full[s], 1);
+      init(&empty[s], Cfg::kNumMathThreads);
     }
     for (int b = 0; b < 2; ++b) {
-      cuda::ptx::mbarrier_init(&tok_full[b], Role::kNumConverterThreads);
-      cuda::ptx::mbarrier_init(&tok_empty[b], Cfg::kNumMathThreads);
+      init(&tok_full[b], Role::kNumConverterThreads);
+      init(&tok_empty[b], Cfg::kNumMathThreads);
     }
-    for (int s = 0; s < Cfg::kL2TileSlots; ++s) cuda::ptx::mbarrier_init(&l2_tile_full_of<Cfg>(full)[s], 1);
+    for (int s = 0; s < Cfg::kL2TileSlots; ++s) init(&l2_tile_full_of<Cfg>(full)[s], 1);
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
   }
+};
 
-  // 1-2: send side.
-  dispatch_count<Cfg>(p, base, scratch);
-  grid_sync(p, signals);
-  dispatch_list<Cfg>(p, base, scratch, scratch + Cfg::kNumExperts);
-  __threadfence_system();
-  rank_sync<Cfg::kNumRanks>(p, signals, *rounds_at_start + 1);
-  if (p.stop_after_phase == 2) return;
-
-  // 3-4: receive side. Where L1 tiles wait for their own rows (Cfg::kL1TrailsPull) the CTA goes on
-  // to L1 after its share of the pull; where the pull goes on during L1 (Cfg::kPullDuringL1) that
-  // share is the first pull_head_rows and the producer warpgroup's warps 1-3 pull the rest. With the
-  // phase stop after the pull (or in exact numerics) every row comes first, then a grid barrier.
+// Phases 3-6 for the pool rows of one window (windowed variants: window `w` of the call's m-blocks;
+// else all of them): the layout, the pull, both GEMM phases. Where L1 tiles wait for their own rows
+// (Cfg::kL1TrailsPull) the CTA goes on to L1 after its share of the pull; where the pull goes on
+// during L1 (Cfg::kPullDuringL1) that share is the first pull_head_rows and the producer warpgroup's
+// warps 1-3 pull the rest. With the phase stop after the pull (or in exact numerics) every row comes
+// first, then a grid barrier. False where a phase stop ended the call.
+template <class Cfg>
+__device__ __forceinline__ bool run_pool_window(const KernelParams& p, uint8_t* base, uint32_t* signals,
+                                                const CtaShared<Cfg>& cta, int w) {
+  const ExpertTables& tables = cta.tables;
   const bool pull_all_first = !Cfg::kL1TrailsPull || p.stop_after_phase == 4;
+  const auto window_rows = [&] {
+    if constexpr (Cfg::kWindowed) return pool_window_rows<Cfg>(tables);
+    return pool_rows(tables, Cfg::kNumLocalExperts);
+  };
   const auto pull_head_rows = [&] {
-    const int rows = pool_rows(tables, Cfg::kNumLocalExperts);
+    const int rows = window_rows();
     return pull_all_first || !Cfg::kPullDuringL1
                ? rows : min(rows, (int)gridDim.x * Cfg::kNumWarps * Cfg::kPullHeadRowsPerWarp);
   };
   {
     constexpr int kPairs = Cfg::kNumLocalExperts * Cfg::kNumRanks;
-    int* src_count = scratch;
-    int* src_offset = scratch + kPairs;
-    int* scan_scratch = scratch + 2 * kPairs;
-    dispatch_layout<Cfg>(p, tables, src_count, src_offset, scan_scratch);
+    int* src_count = cta.scratch;
+    int* src_offset = cta.scratch + kPairs;
+    int* scan_scratch = cta.scratch + 2 * kPairs;
+    dispatch_layout<Cfg>(p, tables, src_count, src_offset, scan_scratch, w == 0);
+    if constexpr (Cfg::kWindowed) enter_pool_window<Cfg>(p, tables, cta.window, w);
     dispatch_pull<Cfg>(p, base, tables, src_count, src_offset, pull_head_rows());
   }
   if (pull_all_first) {
@@ -254,7 +261,7 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   } else {
     __syncthreads();  // the scratch becomes the pipeline stages
   }
-  if (p.stop_after_phase == 4) return;
+  if (p.stop_after_phase == 4) return false;
 
   // 5-6: GEMMs: the L1 tiles, dealt round-robin, then the L2 tiles, which each CTA's producer
   // claims one at a time (pipeline.cuh L2TileQueue). Producer and math warpgroups walk the same
@@ -263,41 +270,108 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   PipelineState ps;
   int parity = 0;
   const TileScheduler<Cfg> l1_sched{tables, Cfg::kL1NumNBlocks}, l2_sched{tables, Cfg::kL2NumNBlocks};
+  const StageView<Cfg>& sv = cta.sv;
   gemm_roles<Cfg>(
       [&] {
-        if (Role::tma_issuer()) return produce_tiles<Cfg, false>(p, base, l1_sched, blockIdx.x, sv, full, empty, ps);
+        if (Role::tma_issuer()) return produce_tiles<Cfg, false>(p, base, l1_sched, blockIdx.x, sv, cta.full, cta.empty, ps);
         if constexpr (Cfg::kExactL1) {
-          if (Role::converter()) convert_l1_tokens<Cfg>(p, l1_sched, sv, full, tok_full, tok_empty);
+          if (Role::converter()) convert_l1_tokens<Cfg>(p, l1_sched, sv, cta.full, cta.tok_full, cta.tok_empty);
         } else if constexpr (Cfg::kPullDuringL1) {
           if (Role::puller() && !pull_all_first)
-            pull_rows_during_l1<Cfg>(p, base, tables, pull_head_rows(),
+            pull_rows_during_l1<Cfg>(p, base, tables, pull_head_rows(), window_rows(),
                                      blockIdx.x * Role::kNumPullerWarps + Role::puller_warp(),
                                      gridDim.x * Role::kNumPullerWarps);
         }
         return true;
       },
       [&] {
-        return math_phase<Cfg, false>(p, base, tables, blockIdx.x, sv, full, empty, tok_full, tok_empty, ps,
-                                      amax_exchange, parity);
+        return math_phase<Cfg, false>(p, base, tables, blockIdx.x, sv, cta.full, cta.empty, cta.tok_full, cta.tok_empty,
+                                      ps, cta.amax_exchange, parity);
       });
-  if (p.stop_after_phase == 5) return;  // the caller zeroes l1_done and the send counters (tools/phase_times.py)
+  if (p.stop_after_phase == 5) return false;  // the caller zeroes l1_done and the send counters (tools/phase_times.py)
   if constexpr (Cfg::kRebalanceRegisters) {
     static_assert(Cfg::kL1TrailsPull && Cfg::kEarlyEpilogueRows, "wait_pool_pulled's reason");
     wait_pool_pulled<Cfg>(p, base, tables);
   }
   gemm_roles<Cfg>(
-      [&] { return !Role::tma_issuer() || produce_tiles<Cfg, true>(p, base, l2_sched, 0, sv, full, empty, ps); },
+      [&] { return !Role::tma_issuer() || produce_tiles<Cfg, true>(p, base, l2_sched, 0, sv, cta.full, cta.empty, ps); },
       [&] {
-        return math_phase<Cfg, true>(p, base, tables, 0, sv, full, empty, tok_full, tok_empty, ps, amax_exchange,
-                                     parity);
+        return math_phase<Cfg, true>(p, base, tables, 0, sv, cta.full, cta.empty, cta.tok_full, cta.tok_empty, ps,
+                                     cta.amax_exchange, parity);
       });
-  __threadfence_system();
-  rank_sync<Cfg::kNumRanks>(p, signals, *rounds_at_start + 2);
-  if (p.stop_after_phase == 6) return;
+  return true;
+}
 
-  // 7: combine, and leave the workspace ready for the next call.
+// 7: after every rank's L2 rows have come (the second cross-rank barrier): combine, and leave the
+// workspace ready for the next call.
+template <class Cfg>
+__device__ __forceinline__ void finish_call(const KernelParams& p, uint8_t* base, uint32_t* signals,
+                                            const CtaShared<Cfg>& cta) {
+  __threadfence_system();
+  rank_sync<Cfg::kNumRanks>(p, signals, *cta.rounds_at_start + 2);
+  if (p.stop_after_phase == 6) return;
   combine_tokens<Cfg>(p, base);
-  reset_workspace<Cfg>(p, base, tables);
+  reset_workspace<Cfg>(p, base, cta.tables);
+}
+
+// The kernel body; the JIT-generated translation unit wraps it in an extern "C" __global__ entry
+// with __launch_bounds__(Cfg::kNumThreads, 1) (see jit.py).
+template <class Cfg>
+__device__ __forceinline__ void mega_moe(const KernelParams& p) {
+  static_assert(Cfg::kNumThreads == Role::kProducerWarpgroupThreads + Cfg::kNumMathThreads, "roles.cuh");
+  static_assert(kSmemBytes<Cfg> + 1024 <= 232448, "shared memory over the SM90 per-block limit");
+  const CtaShared<Cfg> cta;
+  uint8_t* base = p.peer_base[p.rank];
+  uint32_t* signals = reinterpret_cast<uint32_t*>(base + p.off.signals);
+  if (threadIdx.x == 0) {
+    *cta.rounds_at_start = rank_rounds_done(signals);
+    cta.init_barriers(false);
+  }
+
+  // 1-2: send side.
+  dispatch_count<Cfg>(p, base, cta.scratch);
+  grid_sync(p, signals);
+  dispatch_list<Cfg>(p, base, cta.scratch, cta.scratch + Cfg::kNumExperts);
+  __threadfence_system();
+  rank_sync<Cfg::kNumRanks>(p, signals, *cta.rounds_at_start + 1);
+  if (p.stop_after_phase == 2) return;
+
+  // 3-6: receive side, the GEMMs: the whole pool, or its first window.
+  if (!run_pool_window<Cfg>(p, base, signals, cta, 0)) return;
+  if constexpr (Cfg::kWindowed) {
+    if (num_pool_windows<Cfg>(p, cta.tables) > 1) {  // the window kernel runs the rest and phase 7
+      __threadfence_system();  // this kernel's L2 rows, before the window kernel's rank barrier
+      if (blockIdx.x == 0 && threadIdx.x == 0) signals[kSigWindowsPending] = 1;
+      return;
+    }
+  }
+  finish_call<Cfg>(p, base, signals, cta);
+}
+
+// The window kernel of windowed variants (Cfg::kWindowed), launched after mega_moe on the same
+// stream: where the call's m-blocks need more rows than the pools hold, the pool windows after the
+// first (mega_moe ran it and left signals[kSigWindowsPending] set), each after a grid barrier that
+// ends the previous window's reads of the pools, then phase 7. Otherwise it returns at once. A
+// separate kernel: in the fused kernel, a loop around the GEMM roles made ptxas spill and drop the
+// main loops' uniform registers, 12-17% slower at 512-8192 tokens (docs/design.md section 8); here
+// that costs only the calls that need windows. The peers' send side stays valid meanwhile: no rank
+// passes the call's second cross-rank barrier before this rank arrives at it here.
+template <class Cfg>
+__device__ __forceinline__ void mega_moe_windows(const KernelParams& p) {
+  static_assert(Cfg::kWindowed, "only windowed variants have a window kernel");
+  uint8_t* base = p.peer_base[p.rank];
+  uint32_t* signals = reinterpret_cast<uint32_t*>(base + p.off.signals);
+  if (*reinterpret_cast<volatile uint32_t*>(signals + kSigWindowsPending) == 0) return;
+  const CtaShared<Cfg> cta;
+  // mega_moe's CTA 0 stored its first cross-rank barrier's round: finish_call's round is this + 1.
+  if (threadIdx.x == 0) *cta.rounds_at_start = rank_rounds_done(signals) - 1;
+  for (int w = 1;; ++w) {
+    if (threadIdx.x == 0) cta.init_barriers(w > 1);
+    run_pool_window<Cfg>(p, base, signals, cta, w);
+    if (w + 1 >= num_pool_windows<Cfg>(p, cta.tables)) break;
+    grid_sync(p, signals);  // every CTA is done with this window's pool rows
+  }
+  finish_call<Cfg>(p, base, signals, cta);  // reset_workspace clears signals[kSigWindowsPending]
 }
 
 }  // namespace megamoe

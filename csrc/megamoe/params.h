@@ -55,6 +55,7 @@ enum SignalWord : int {
   kSigRankBarrier = 2,      // arrivals of all ranks at this rank (peers add remotely), mod 2^32
   kSigRankBarrierDone = 3,  // cross-rank barriers this rank has completed, mod 2^32
   kSigL2TilesClaimed = 4,   // L2 tiles claimed in this call (pipeline.cuh L2TileQueue); 0 between calls
+  kSigWindowsPending = 5,   // 1 while the call's later pool windows wait for the window kernel; 0 between calls
 };
 
 // TMA descriptors, built once per (buffer, weights) and kept in device memory

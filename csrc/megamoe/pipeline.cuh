@@ -99,8 +99,14 @@ __device__ __forceinline__ void load_a(const KernelParams& p, const StageView<Cf
 template <class Cfg>
 struct L2TileQueue {
   uint64_t* full;  // SharedStorage::full: the queue's members lie at constant offsets from it
-  // Producer: the next unclaimed tile of the call (>= the phase's tile count: none left).
-  __device__ int claim(const KernelParams& p) const { return static_cast<int>(atomicAdd(p.l2_tiles_claimed, 1u)); }
+  // Producer: the next unclaimed tile of the call's (windowed: of the window's) L2 tiles (>= the
+  // phase's tile count: none left). Each CTA ends a phase with one claim past its tiles, so a window
+  // starts at the counter's first_mblock * kL2NumNBlocks + index * gridDim.x (kernel.cuh enter_window).
+  __device__ int claim(const KernelParams& p, const ExpertTables& tables) const {
+    const int claimed = static_cast<int>(atomicAdd(p.l2_tiles_claimed, 1u));
+    if constexpr (Cfg::kWindowed) return claimed - tables.window->l2_claim_base;
+    return claimed;
+  }
   // Producer: publishes the CTA's i-th tile.
   __device__ void push(int i, int tile) const {
     const int slot = i % Cfg::kL2TileSlots;
@@ -149,8 +155,8 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
   const L2TileQueue<Cfg> queue{full};
   int first_l2_tile = 0;
   if constexpr (!kIsL2) {
-    if constexpr (Cfg::kRebalanceRegisters) queue.push(0, queue.claim(p));
-    else first_l2_tile = queue.claim(p);
+    if constexpr (Cfg::kRebalanceRegisters) queue.push(0, queue.claim(p, sched.tables));
+    else first_l2_tile = queue.claim(p, sched.tables);
   }
   int tile = kIsL2 ? queue.first() : first_tile;
   for (int i = 0;; ++i, ++clock.tiles) {
@@ -195,7 +201,7 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
       tma_load_2d(sv.b(ps.stage), tmap_b, kb * Cfg::kBlockK, row_b, bar);
       ps.advance<Cfg::kNumStages>();
     }
-    tile = kIsL2 ? queue.claim(p) : tile + static_cast<int>(gridDim.x);
+    tile = kIsL2 ? queue.claim(p, sched.tables) : tile + static_cast<int>(gridDim.x);
   }
   if constexpr (!kIsL2 && !Cfg::kRebalanceRegisters) queue.push(0, first_l2_tile);
   clock.record(p, kIsL2 ? 1 : 0);

@@ -33,8 +33,20 @@ template <class Cfg>
 struct TileScheduler {
   const ExpertTables& tables;
   int num_n_blocks;
-  __device__ int num_tiles() const { return tables.mblk_prefix[Cfg::kNumLocalExperts] * num_n_blocks; }
+  __device__ int num_tiles() const {
+    if constexpr (Cfg::kWindowed) return (tables.window->end_mblock - tables.window->first_mblock) * num_n_blocks;
+    return tables.mblk_prefix[Cfg::kNumLocalExperts] * num_n_blocks;
+  }
   __device__ Tile decode(int tile) const {
+    if constexpr (Cfg::kWindowed) {
+      // The window's tiles, n-major inside each expert's m-blocks of the window.
+      const int first_gm = tables.window->first_mblock, end_gm = tables.window->end_mblock;
+      const int el = last_le(tables.mblk_prefix, Cfg::kNumLocalExperts, first_gm + tile / num_n_blocks);
+      const int first = max(tables.mblk_prefix[el], first_gm);
+      const int num_m = min(tables.mblk_prefix[el + 1], end_gm) - first;
+      const int local = tile - (first - first_gm) * num_n_blocks;
+      return {el, first - tables.mblk_prefix[el] + local % num_m, local / num_m};
+    }
     const int gm = tile / num_n_blocks;  // any m-block of the right expert: find the expert
     const int el = last_le(tables.mblk_prefix, Cfg::kNumLocalExperts, gm);
     const int first = tables.mblk_prefix[el] * num_n_blocks;
@@ -100,7 +112,7 @@ __device__ __forceinline__ bool wait_pulled_rows(const KernelParams& p, const ui
 }
 
 // Between the GEMM phases of the rebalanced tier (BLOCK_M 128), every thread of the CTA. The math
-// warpgroups acquire every m-block's pulled rows (pool_src) once: the L2 epilogue's per-row loads go
+// warpgroups acquire every m-block's (windowed: the window's) pulled rows (pool_src) once: the L2 epilogue's per-row loads go
 // out at the tile's start (Cfg::kEarlyEpilogueRows), ahead of any stage. Per tile it would be an
 // acquire round trip in front of each L2 main loop; here the pull has long ended (every L1 tile
 // waited for its rows); inside the math region this made ptxas spill 80-124 B. Then a CTA barrier:
@@ -113,7 +125,9 @@ __device__ __forceinline__ bool wait_pulled_rows(const KernelParams& p, const ui
 template <class Cfg>
 __device__ __forceinline__ void wait_pool_pulled(const KernelParams& p, const uint8_t* base, const ExpertTables& tables) {
   if (!Role::producer_warpgroup()) {
-    for (int gm = Role::math_thread(); gm < tables.mblk_prefix[Cfg::kNumLocalExperts]; gm += Cfg::kNumMathThreads) {
+    const int first_gm = Cfg::kWindowed ? tables.window->first_mblock : 0;
+    const int end_gm = Cfg::kWindowed ? tables.window->end_mblock : tables.mblk_prefix[Cfg::kNumLocalExperts];
+    for (int gm = first_gm + Role::math_thread(); gm < end_gm; gm += Cfg::kNumMathThreads) {
       const int el = last_le(tables.mblk_prefix, Cfg::kNumLocalExperts, gm);
       const Tile t{el, gm - tables.mblk_prefix[el], 0};
       bounded_wait(p, kErrPulledRowsTimeout, [&] { return pulled_rows_ready<Cfg>(p, base, tables, t); });

@@ -25,6 +25,9 @@ struct SharedStorage {
   uint64_t l2_tile_full[Cfg::kL2TileSlots];
   int l2_tile_ids[Cfg::kL2TileSlots];
   uint32_t rank_rounds_at_start;  // sync.cuh rank_rounds_done when the call started (kernel.cuh)
+  // Windowed variants: the pool window the GEMM phases run (scheduler.cuh PoolWindow), set by
+  // thread 0 of the CTA for all of its threads.
+  int pool_window[4];
   // L1 requant amax exchange across the math warps, [k-block parity][math warp][row] (epilogue.cuh).
   alignas(1024) float amax_exchange[2][Cfg::kAmaxSlots][Cfg::kBlockM];
   // The local experts' pool layout (dispatch.cuh): exp_start[E_l], exp_count[E_l], mblk_prefix[E_l + 1].
@@ -42,8 +45,8 @@ struct SharedStorage {
   alignas(1024) uint8_t stages[Cfg::kNumStages][Cfg::kStageBytes];
 
   static_assert(sizeof(full) + sizeof(empty) + sizeof(tok_full) + sizeof(tok_empty) + sizeof(l2_tile_full) +
-                    sizeof(l2_tile_ids) + sizeof(rank_rounds_at_start) <= 1024,
-                "the barriers, the L2 tile queue and the rank round fit before the amax exchange");
+                    sizeof(l2_tile_ids) + sizeof(rank_rounds_at_start) + sizeof(pool_window) <= 1024,
+                "the barriers, the L2 tile queue, the rank round and the pool window fit before the amax exchange");
   static_assert(Cfg::kScratchInts * 4 <= sizeof(stages), "dispatch scratch does not fit");
 };
 

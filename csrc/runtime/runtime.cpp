@@ -118,6 +118,7 @@ CUcontext current_context() {
 // ---------------------------------------------------------------- kernels
 struct Kernel {
   CUfunction function;
+  CUfunction window_function;  // windowed variants' window kernel, launched after `function`; else null
   int smem_bytes;
 };
 
@@ -133,7 +134,8 @@ std::map<std::string, CUmodule> g_modules;        // cubin path -> module (per c
 std::vector<std::unique_ptr<Kernel>> g_kernels;   // handles given to Python; a handle is also the kernel's tag
 std::vector<std::unique_ptr<Params>> g_params;    // handles given to Python; null once freed (never reused)
 
-int load_kernel(const std::string& cubin_path, const std::string& name, int smem_bytes) {
+int load_kernel(const std::string& cubin_path, const std::string& name, int smem_bytes,
+                const std::string& window_name) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (g_kernels.size() > megamoe::kMaxKernelTag)
     throw std::runtime_error("megamoe: more kernel handles than a failure report can name");
@@ -149,6 +151,13 @@ int load_kernel(const std::string& cubin_path, const std::string& name, int smem
   check(driver().ModuleGetFunction(&k->function, it->second, name.c_str()), "cuModuleGetFunction");
   check(driver().FuncSetAttribute(k->function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
         "cuFuncSetAttribute(max dynamic shared memory)");
+  k->window_function = nullptr;
+  if (!window_name.empty()) {
+    check(driver().ModuleGetFunction(&k->window_function, it->second, window_name.c_str()),
+          "cuModuleGetFunction(window kernel)");
+    check(driver().FuncSetAttribute(k->window_function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
+          "cuFuncSetAttribute(window kernel, max dynamic shared memory)");
+  }
   k->smem_bytes = smem_bytes;
   g_kernels.push_back(std::move(k));
   return static_cast<int>(g_kernels.size()) - 1;
@@ -260,6 +269,11 @@ void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_st
   check(driver().LaunchKernel(k.function, num_ctas, 1, 1, num_threads, 1, 1, k.smem_bytes,
                               reinterpret_cast<CUstream>(stream), args, nullptr),
         "cuLaunchKernel(megamoe)");
+  // A windowed variant's window kernel: it returns at once unless the call left pool windows to it.
+  if (k.window_function != nullptr)
+    check(driver().LaunchKernel(k.window_function, num_ctas, 1, 1, num_threads, 1, 1, k.smem_bytes,
+                                reinterpret_cast<CUstream>(stream), args, nullptr),
+          "cuLaunchKernel(megamoe window kernel)");
 }
 
 // Plain reads of host memory, no CUDA call: any thread may poll them, also after a trap
@@ -272,7 +286,8 @@ uint64_t read_bad_expert_ids() { return host_words().host->bad_expert_ids; }
 
 PYBIND11_MODULE(_runtime, m) {
   m.doc() = "megamoe host runtime (torch-independent; loads libcuda at run time)";
-  m.def("load_kernel", &load_kernel, py::arg("cubin_path"), py::arg("name"), py::arg("smem_bytes"));
+  m.def("load_kernel", &load_kernel, py::arg("cubin_path"), py::arg("name"), py::arg("smem_bytes"),
+        py::arg("window_name") = "");
   m.def("make_params", &make_params, py::arg("peer_ptrs"), py::arg("rank"), py::arg("offsets"),
         py::arg("pool_capacity"), py::arg("hidden"), py::arg("intermediate_size"), py::arg("num_local_experts"),
         py::arg("block_m"), py::arg("w13"), py::arg("w13_scale"), py::arg("w2"), py::arg("w2_scale"),

@@ -35,12 +35,14 @@ import threading
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple, Union
 
-from ..buffer import SIGNAL_WORDS
+from ..buffer import SIGNAL_WORDS, BufferShape
 from ..heuristics import DEFAULT_NUMERICS, REBALANCED_BLOCK_M, implemented_block_m
 from ..paths import CSRC_DIR, cache_dir
 from ..timeline import MAX_TILES as TIMELINE_MAX_TILES, RECORDS as TIMELINE_RECORDS, WORDS as TIMELINE_WORDS
 
 KERNEL_NAME = "megamoe_fused_kernel"
+# Windowed variants' second entry (csrc/megamoe/kernel.cuh mega_moe_windows), launched after the first.
+WINDOW_KERNEL_NAME = "megamoe_window_kernel"
 NUM_THREADS = 384
 
 
@@ -59,6 +61,9 @@ class KernelVariant:
     numerics: str = DEFAULT_NUMERICS  # heuristics.NUMERICS_MODES
     # Debugging: per-tile clock records (csrc/megamoe/timeline.cuh, megamoe_plugin/timeline.py).
     timeline: bool = False
+    # The buffer's pools hold fewer rows than the worst routing needs (buffer.BufferShape.windowed):
+    # a call whose rows do not fit runs the rest in the window kernel (WINDOW_KERNEL_NAME).
+    windowed: bool = False
 
     def __post_init__(self):
         if self.block_m not in implemented_block_m(self.numerics):
@@ -71,7 +76,7 @@ class KernelVariant:
         cpp_bool = {True: "true", False: "false"}
         cfg = (f"megamoe::KernelConfig<{self.hidden}, {self.intermediate_size}, {self.num_topk}, {self.num_experts}, "
                f"{self.num_ranks}, {self.block_m}, {self.num_stages}, {cpp_bool[self.fast_math]}, "
-               f"{cpp_bool[self.numerics == 'exact']}>")
+               f"{cpp_bool[self.numerics == 'exact']}, {cpp_bool[self.windowed]}>")
         signal_asserts = "".join(f"static_assert(megamoe::kSig{_camel(name)} == {index}, \"buffer.SIGNAL_WORDS\");\n"
                                  for name, index in SIGNAL_WORDS.items())
         timeline_asserts = "".join(
@@ -84,7 +89,10 @@ class KernelVariant:
             f"using Cfg = {cfg};\n"
             f'extern "C" __global__ void __launch_bounds__(Cfg::kNumThreads, 1)\n'
             f"{KERNEL_NAME}(const __grid_constant__ megamoe::KernelParams p) {{ megamoe::mega_moe<Cfg>(p); }}\n"
-            f"static_assert(megamoe::kSmemBytes<Cfg> + 1024 == {smem_bytes_of(self)}, "
+            + (f'extern "C" __global__ void __launch_bounds__(Cfg::kNumThreads, 1)\n'
+               f"{WINDOW_KERNEL_NAME}(const __grid_constant__ megamoe::KernelParams p) "
+               f"{{ megamoe::mega_moe_windows<Cfg>(p); }}\n" if self.windowed else "")
+            + f"static_assert(megamoe::kSmemBytes<Cfg> + 1024 == {smem_bytes_of(self)}, "
             f"\"heuristics.smem_bytes disagrees with smem.cuh SharedStorage\");\n"
             + signal_asserts + timeline_asserts
         )
@@ -92,7 +100,7 @@ class KernelVariant:
     def name(self) -> str:
         return (f"h{self.hidden}_i{self.intermediate_size}_k{self.num_topk}_e{self.num_experts}_r{self.num_ranks}"
                 f"_bm{self.block_m}_st{self.num_stages}_fm{int(self.fast_math)}_{self.numerics}"
-                + ("_timeline" if self.timeline else ""))
+                + ("_win" if self.windowed else "") + ("_timeline" if self.timeline else ""))
 
 
 def _camel(snake: str) -> str:
@@ -341,19 +349,27 @@ class ResourceUsage:
     wgmma_serialized: str = ""
 
 
-def parse_ptxas(log: str) -> ResourceUsage:
-    """Reads the entry kernel's line of `ptxas -v` output."""
-    section = log[log.find(KERNEL_NAME):] if KERNEL_NAME in log else log
+def parse_ptxas(log: str, entry: str = KERNEL_NAME) -> ResourceUsage:
+    """Reads one entry kernel's lines of `ptxas -v` output (`entry`: KERNEL_NAME, or a windowed
+    variant's WINDOW_KERNEL_NAME). A serialization note counts for the entry it names, and for
+    KERNEL_NAME where it names none."""
+    start = log.find(f"entry function '{entry}'")
+    if start < 0:
+        start = log.find(entry) if entry in log else 0
+    end = log.find("Compiling entry function", start + 1)
+    section = log[start:] if end < 0 else log[start:end]
     def grab(pattern, default=0):
         m = re.search(pattern, section)
         return int(m.group(1)) if m else default
+    notes = [line for line in log.splitlines() if WGMMA_SERIALIZED.search(line)
+             and (f"'{entry}'" in line or (entry == KERNEL_NAME and f"'{WINDOW_KERNEL_NAME}'" not in line))]
     return ResourceUsage(
         registers=grab(r"Used (\d+) registers", -1),
         spill_stores=grab(r"(\d+) bytes spill stores"),
         spill_loads=grab(r"(\d+) bytes spill loads"),
         stack_frame=grab(r"(\d+) bytes stack frame"),
         static_smem=grab(r"(\d+) bytes smem"),
-        wgmma_serialized=",".join(dict.fromkeys(WGMMA_SERIALIZED.findall(log))),
+        wgmma_serialized=",".join(dict.fromkeys(WGMMA_SERIALIZED.search(line).group(1) for line in notes)),
     )
 
 
@@ -379,6 +395,15 @@ def check_variants(variants: List[KernelVariant]) -> int:
             status = ("SPILLS" if spills_fail else f"WGMMA SERIALIZED (ptxas {usage.wgmma_serialized})" if usage.wgmma_serialized
                       else "no ptxas report" if usage.registers <= 0 else "ok (timeline build spills)" if spills
                       else "ok")
+            if variant.windowed:
+                # The window kernel runs only the calls whose rows overflow the pools; its GEMM roles in
+                # a loop over windows cost spills (and at BLOCK_M 128 serialized WGMMAs) there alone:
+                # shown, not failed. It must compile and report like the fused kernel.
+                window = parse_ptxas(compiled.ptxas_log, WINDOW_KERNEL_NAME)
+                ok = ok and window.registers > 0
+                window_spills = window.spill_stores + window.spill_loads
+                status += (f"; window kernel {window.registers} regs, {window_spills} B spills"
+                           + (f", WGMMA serialized (ptxas {window.wgmma_serialized})" if window.wgmma_serialized else ""))
             row = (f"{variant.name():58s} {usage.registers:5d} {spills:6d} {usage.stack_frame:6d} "
                    f"{compiled.smem_bytes:7d}  {status}")
         with lock:  # rows come from the compile threads
@@ -403,6 +428,9 @@ def reference_variants() -> List[KernelVariant]:
                                                   shape.num_local_experts)
         for num_ranks in (1, 2):
             num_experts = num_local_experts * num_ranks
+            # As a buffer for the largest reference token count with the default pools has them.
+            windowed = BufferShape(num_ranks, num_experts, max(REFERENCE_TOKENS_PER_RANK), topk, hidden,
+                                   inter).windowed
             for tokens in REFERENCE_TOKENS_PER_RANK:
                 cfg = default_config(num_ranks, num_experts, topk, hidden, inter, tokens, 132, numerics)
                 for fast_math in (True, False):  # as variants.variant_for picks without a table
@@ -410,7 +438,7 @@ def reference_variants() -> List[KernelVariant]:
                     stages = cfg.num_stages if block_m == cfg.block_m else default_num_stages(
                         block_m, num_local_experts, hidden, inter, numerics=numerics)
                     v = KernelVariant(hidden, inter, topk, num_experts, num_ranks, block_m, stages, fast_math,
-                                      numerics)
+                                      numerics, windowed=windowed)
                     if v not in variants:
                         variants.append(v)
         picked = {v.block_m for v in variants if (v.hidden, v.intermediate_size, v.num_topk, v.num_experts,

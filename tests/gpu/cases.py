@@ -54,6 +54,11 @@ def _forced_tiers():
 FORCED_TIERS = _forced_tiers()
 # tests/gpu/test_forced_tiers.py's grid of a few CTAs, where most pool rows are pulled during L1.
 SMALL_GRID_SMS = 4
+# tests/gpu/test_pool_windows.py: pools of WINDOW_POOL_ROWS rows (one BLOCK_M 128 m-block), on one
+# rank (an H an odd multiple of 128; a shape whose pull goes on during L1) and on R = 2, 4, 8 ranks.
+WINDOW_POOL_ROWS = 128
+WINDOW_SHAPES = [Shape(384, 256, 4, 4, 50), Shape(7168, 2048, 8, 32, 24)]
+WINDOW_RANK_SHAPE = (2048, 768, 6, 4, 64)  # hidden, intermediate, topk, local experts, max tokens
 FORCED_TIER_SHAPES = [
     Shape(384, 256, 4, 4, 50),
     Shape(2048, 768, 8, 128, 64),
@@ -62,15 +67,15 @@ FORCED_TIER_SHAPES = [
 
 
 def call_variants(num_ranks, num_experts, topk, hidden, inter, max_tokens, num_sms, fast_maths=(True, False),
-                  forced_block_m=None, numerics_modes=None):
+                  forced_block_m=None, numerics_modes=None, pool_rows=None):
     """Every variant a call with 0..max_tokens tokens per rank can select on an H200, in both
     numerics modes (ops.select_variant: the shipped table, else the heuristic; MEGAMOE_BLOCK_M
-    = forced_block_m)."""
+    = forced_block_m), on a buffer with `pool_rows` (BufferShape)."""
     from megamoe_plugin.buffer import BufferShape
     from megamoe_plugin.heuristics import NUMERICS_MODES
     from megamoe_plugin.variants import variant_for
 
-    shape = BufferShape(num_ranks, num_experts, max_tokens, topk, hidden, inter)
+    shape = BufferShape(num_ranks, num_experts, max_tokens, topk, hidden, inter, pool_rows)
     return list(dict.fromkeys(
         variant_for(shape, "NVIDIA H200", num_sms, n, fast_math, numerics, forced_block_m)
         for n in range(max_tokens + 1) for fast_math in fast_maths for numerics in numerics_modes or NUMERICS_MODES))
@@ -107,6 +112,21 @@ def variants():
                                      SMALL_GRID_SMS, (True,), forced_block_m=block_m, numerics_modes=(numerics,))
     for s in SHAPES:
         out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132)
+    for s in WINDOW_SHAPES:
+        for numerics, block_m in FORCED_TIERS:
+            out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132,
+                                 forced_block_m=block_m, numerics_modes=(numerics,), pool_rows=WINDOW_POOL_ROWS)
+    from megamoe_plugin.buffer import BufferShape
+
+    hidden, inter, topk, local_experts, max_tokens = WINDOW_RANK_SHAPE
+    for num_ranks in (2, 4, 8):
+        for pool_rows in (WINDOW_POOL_ROWS, BufferShape(num_ranks, local_experts * num_ranks, max_tokens, topk, hidden,
+                                                        inter).max_pool_rows, None):
+            out += call_variants(num_ranks, local_experts * num_ranks, topk, hidden, inter, max_tokens,
+                                 132 // num_ranks, (True,), pool_rows=pool_rows)
+        if num_ranks < 8:  # the EP-width test's one rank with every expert
+            out += call_variants(1, local_experts * num_ranks, topk, hidden, inter, max_tokens, 132, (True,),
+                                 numerics_modes=("exact",))
     out += call_variants(2, 8, 2, 384, 256, 16, 132 // 2, (True,))  # tests/gpu/test_timeout.py
     out += call_variants(1, 16, 8, 2048, 768, 256, 132, (True,))  # tools/soak.py
     out += call_variants(1, 32, 8, 2048, 768, 513, 132, (True,))  # tests/gpu/test_batch_invariance.py

@@ -49,5 +49,6 @@ def test_calls_across_the_wrap_point(num_ranks, start):
         assert signals[SIGNAL_WORDS["rank_barrier"]] == (done * num_ranks) & mask
         assert signals[SIGNAL_WORDS["grid_arrivals"]] == 0
         assert signals[SIGNAL_WORDS["l2_tiles_claimed"]] == 0  # a per-call count, zeroed at exit
+        assert signals[SIGNAL_WORDS["windows_pending"]] == 0
         advanced = (signals[SIGNAL_WORDS["grid_generation"]] - start) & mask
         assert advanced == sum(GRID_BARRIERS_PER_CALL[NUMERICS_MODES[call % 2]] for call in range(NUM_CALLS))
