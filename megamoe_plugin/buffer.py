@@ -39,7 +39,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .heuristics import IMPLEMENTED_BLOCK_M
+from .heuristics import IMPLEMENTED_BLOCK_M, REBALANCED_BLOCK_M
 
 # Every expert's rows start on a multiple of this in the pools; no BLOCK_M tier exceeds it.
 POOL_ALIGN_M = 128
@@ -66,6 +66,12 @@ POOL_ROWS_PER_OWN_ENTRY = 1.5
 MAX_TOPK = 16
 MAX_LOCAL_EXPERTS = 512
 SUPPORTED_NUM_RANKS = (1, 2, 4, 8)
+
+
+def window_loop(block_m: int) -> bool:
+    """Whether the window kernel of a tier loops over the pool windows (config.cuh kWindowLoop; the
+    JIT source checks it): all but the rebalanced tier, where the host launches it per window."""
+    return block_m != REBALANCED_BLOCK_M
 
 
 def _round_up(x: int, m: int) -> int:
@@ -140,6 +146,20 @@ class BufferShape:
             return self.pool_rows
         own = self.num_max_tokens_per_rank * self.num_topk
         return min(self.max_pool_rows, self._padded_rows(int(own * POOL_ROWS_PER_OWN_ENTRY)))
+
+    def window_kernel_launches(self, block_m: int) -> int:
+        """Launches of the window kernel per call of a variant of tier `block_m` on this buffer
+        (csrc/megamoe/kernel.cuh mega_moe_windows): none where the pools hold every routing, one
+        where it loops over the windows (window_loop), else (the rebalanced tier) one per window
+        after the first that the worst routing can make; those past a call's windows return at once."""
+        if not self.windowed:
+            return 0
+        if window_loop(block_m):
+            return 1
+        entries = self.num_max_recv_entries
+        max_mblocks = (entries + min(self.num_local_experts, entries) * (block_m - 1)) // block_m
+        per_window = self.pool_capacity // block_m
+        return -(-max_mblocks // per_window) - 1
 
     @property
     def windowed(self) -> bool:

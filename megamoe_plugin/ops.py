@@ -438,7 +438,8 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
         _runtime().launch(kernel, params, y.data_ptr(), num_tokens, 0 if stats is None else stats.data_ptr(),
                           math.inf if activation_clamp is None else float(activation_clamp), _grid_size(buf),
                           NUM_THREADS, torch.cuda.current_stream(buf.device).cuda_stream, _stop_after_phase,
-                          0 if _timeline is None else _timeline.data_ptr())
+                          0 if _timeline is None else _timeline.data_ptr(),
+                          buf.shape.window_kernel_launches(variant.block_m) if variant.windowed else 0)
     except RuntimeError as exc:  # the runtime refuses to launch after a kernel failed: say which wait
         reason = kernel_error()
         if reason is not None:

@@ -71,3 +71,23 @@ def test_buffer_grows_linearly_with_tokens_not_with_ranks(name, ranks):
 def test_pool_rows_is_checked(pool_rows, what):
     with pytest.raises((ValueError, TypeError), match=what):
         BufferShape(2, 8, 64, 4, 256, 128, pool_rows)
+
+
+@pytest.mark.parametrize("ranks,tokens", [(2, 64), (4, 512), (8, 8192)])
+def test_window_kernel_launches_cover_the_worst_routing(ranks, tokens):
+    """The window kernel's launches per call (csrc/megamoe/kernel.cuh mega_moe_windows): one where it
+    loops over the windows, none on unwindowed pools, and at the rebalanced tier (one window per
+    launch) enough for the worst routing's m-blocks, in windows of pool_capacity / BLOCK_M."""
+    from megamoe_plugin.buffer import window_loop
+    from megamoe_plugin.heuristics import IMPLEMENTED_BLOCK_M, REBALANCED_BLOCK_M
+
+    shape = BufferShape(ranks, 32 * ranks, tokens, 8, 7168, 2048)
+    assert shape.windowed and not window_loop(REBALANCED_BLOCK_M)
+    for block_m in IMPLEMENTED_BLOCK_M:
+        launches = shape.window_kernel_launches(block_m)
+        if window_loop(block_m):
+            assert launches == 1
+            continue
+        per_window = shape.pool_capacity // block_m
+        assert (launches + 1) * per_window >= _m_block_bound(shape, block_m) > launches * per_window
+    assert BufferShape(1, 32, tokens, 8, 7168, 2048).window_kernel_launches(REBALANCED_BLOCK_M) == 0

@@ -176,6 +176,7 @@ def test_select_variant_is_windowed_where_the_buffer_is(monkeypatch):
         assert not plain.windowed and win.windowed and win.name() == plain.name() + "_win"
         assert jit.WINDOW_KERNEL_NAME not in plain.source() and f"{jit.WINDOW_KERNEL_NAME}(" in win.source()
         assert win.source().split("\n")[1].endswith(", true>;")
+        assert f"Cfg::kWindowLoop == {'false' if win.block_m == 128 else 'true'}" in win.source()
     assert mm.buffer.BufferShape(2, 64, 512, 6, 4096, 2048).windowed  # the default pools at EP2
 
 

@@ -52,6 +52,12 @@ struct KernelConfig {
   // (epilogue.cuh EpilogueRows): at BLOCK_M 128. At BLOCK_M 64, L2's four values live across the
   // main loop made ptxas spill (12 bytes in fast numerics, 32 in exact with fast_math=False).
   static constexpr bool kEarlyEpilogueRows = kRebalanceRegisters;
+  // The window kernel (kernel.cuh mega_moe_windows) runs the pool windows after the first in a loop,
+  // except at the rebalanced tier: there a loop around the setmaxnreg regions made ptxas spill 1.5 KB
+  // and serialize the WGMMAs, and racecheck reported hazards from the loop's second window on
+  // (results round 24), so the host launches the window kernel once per window a call can have
+  // (buffer.py BufferShape.window_kernel_launches; the JIT source checks it agrees).
+  static constexpr bool kWindowLoop = !kRebalanceRegisters;
   // The first pool row of the tile that warpgroup `wg` computes, and the 128-row weight block
   // of the tile its half `h` covers (mma_tile, l1_epilogue, l2_epilogue).
   static constexpr int wg_first_row(int wg) { return kWgHalves == 2 ? 64 * wg : 0; }

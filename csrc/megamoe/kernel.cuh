@@ -339,9 +339,10 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   // 3-6: receive side, the GEMMs: the whole pool, or its first window.
   if (!run_pool_window<Cfg>(p, base, signals, cta, 0)) return;
   if constexpr (Cfg::kWindowed) {
-    if (num_pool_windows<Cfg>(p, cta.tables) > 1) {  // the window kernel runs the rest and phase 7
+    const int windows = num_pool_windows<Cfg>(p, cta.tables);
+    if (windows > 1) {  // the window kernel runs the rest and phase 7
       __threadfence_system();  // this kernel's L2 rows, before the window kernel's rank barrier
-      if (blockIdx.x == 0 && threadIdx.x == 0) signals[kSigWindowsPending] = 1;
+      if (blockIdx.x == 0 && threadIdx.x == 0) signals[kSigWindowsPending] = windows;
       return;
     }
   }
@@ -350,9 +351,12 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
 
 // The window kernel of windowed variants (Cfg::kWindowed), launched after mega_moe on the same
 // stream: where the call's m-blocks need more rows than the pools hold, the pool windows after the
-// first (mega_moe ran it and left signals[kSigWindowsPending] set), each after a grid barrier that
-// ends the previous window's reads of the pools, then phase 7. Otherwise it returns at once. A
-// separate kernel: in the fused kernel, a loop around the GEMM roles made ptxas spill and drop the
+// first (mega_moe ran it and left their count in signals[kSigWindowsPending]), then phase 7.
+// Otherwise it returns at once. Where Cfg::kWindowLoop its one launch runs them all, each after a
+// grid barrier that ends the previous window's reads of the pools; at the rebalanced tier launch k
+// runs window k + 1 (the host launches it once per window a call can have; the launches past the
+// call's windows return at once, the kernel boundary ends each window), and the last one phase 7.
+// A separate kernel: in the fused kernel, a loop around the GEMM roles made ptxas spill and drop the
 // main loops' uniform registers, 12-17% slower at 512-8192 tokens (docs/design.md section 8); here
 // that costs only the calls that need windows. The peers' send side stays valid meanwhile: no rank
 // passes the call's second cross-rank barrier before this rank arrives at it here.
@@ -361,15 +365,26 @@ __device__ __forceinline__ void mega_moe_windows(const KernelParams& p) {
   static_assert(Cfg::kWindowed, "only windowed variants have a window kernel");
   uint8_t* base = p.peer_base[p.rank];
   uint32_t* signals = reinterpret_cast<uint32_t*>(base + p.off.signals);
-  if (*reinterpret_cast<volatile uint32_t*>(signals + kSigWindowsPending) == 0) return;
+  // The call's windows, 0 between calls: every CTA reads it before the cross-rank barrier after which
+  // it is cleared.
+  const int windows = static_cast<int>(*reinterpret_cast<volatile uint32_t*>(signals + kSigWindowsPending));
+  if (1 + (Cfg::kWindowLoop ? 0 : p.window_launch) >= windows) return;
   const CtaShared<Cfg> cta;
   // mega_moe's CTA 0 stored its first cross-rank barrier's round: finish_call's round is this + 1.
   if (threadIdx.x == 0) *cta.rounds_at_start = rank_rounds_done(signals) - 1;
-  for (int w = 1;; ++w) {
-    if (threadIdx.x == 0) cta.init_barriers(w > 1);
-    run_pool_window<Cfg>(p, base, signals, cta, w);
-    if (w + 1 >= num_pool_windows<Cfg>(p, cta.tables)) break;
-    grid_sync(p, signals);  // every CTA is done with this window's pool rows
+  if constexpr (Cfg::kWindowLoop) {
+    for (int w = 1;; ++w) {
+      if (threadIdx.x == 0) cta.init_barriers(w > 1);
+      run_pool_window<Cfg>(p, base, signals, cta, w);
+      if (w + 1 >= num_pool_windows<Cfg>(p, cta.tables)) break;
+      grid_sync(p, signals);  // every CTA is done with this window's pool rows
+    }
+  } else {
+    if (threadIdx.x == 0) cta.init_barriers(false);
+    run_pool_window<Cfg>(p, base, signals, cta, 1 + p.window_launch);
+    // The count comes from the tables again: a register holding it through the GEMM phases' register
+    // regions made ptxas spill.
+    if (2 + p.window_launch < num_pool_windows<Cfg>(p, cta.tables)) return;  // the next launch's window
   }
   finish_call<Cfg>(p, base, signals, cta);  // reset_workspace clears signals[kSigWindowsPending]
 }

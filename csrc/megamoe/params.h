@@ -55,7 +55,7 @@ enum SignalWord : int {
   kSigRankBarrier = 2,      // arrivals of all ranks at this rank (peers add remotely), mod 2^32
   kSigRankBarrierDone = 3,  // cross-rank barriers this rank has completed, mod 2^32
   kSigL2TilesClaimed = 4,   // L2 tiles claimed in this call (pipeline.cuh L2TileQueue); 0 between calls
-  kSigWindowsPending = 5,   // 1 while the call's later pool windows wait for the window kernel; 0 between calls
+  kSigWindowsPending = 5,   // the call's pool windows while the later ones wait for the window kernel; 0 between calls
 };
 
 // TMA descriptors, built once per (buffer, weights) and kept in device memory
@@ -102,6 +102,7 @@ struct KernelParams {
   float activation_clamp;  // +inf when off
   int num_tokens;
   int stop_after_phase;    // debugging: 0 runs every phase; k returns after phase k (kernel.cuh)
+  int window_launch;       // the window kernel's launch of the call, from 0 (kernel.cuh mega_moe_windows)
   uint32_t kernel_tag;     // the launch's kernel handle (<= kMaxKernelTag), so a failure names its variant
 
   int rank;

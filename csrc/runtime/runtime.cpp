@@ -248,7 +248,8 @@ void free_params(int params) {
 
 // One launch on `stream`. No allocation, no synchronization: safe to capture in a CUDA graph.
 void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_stats, double activation_clamp,
-            int num_ctas, int num_threads, uint64_t stream, int stop_after_phase, uint64_t timeline) {
+            int num_ctas, int num_threads, uint64_t stream, int stop_after_phase, uint64_t timeline,
+            int window_launches) {
   if (kernel < 0 || kernel >= static_cast<int>(g_kernels.size())) throw std::invalid_argument("megamoe: bad kernel handle");
   if (params < 0 || params >= static_cast<int>(g_params.size()) || g_params[params] == nullptr)
     throw std::invalid_argument("megamoe: bad or freed params handle");
@@ -262,6 +263,7 @@ void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_st
   p.recv_stats = reinterpret_cast<int*>(recv_stats);
   p.activation_clamp = static_cast<float>(activation_clamp);
   p.stop_after_phase = stop_after_phase;
+  p.window_launch = 0;
   p.timeline = reinterpret_cast<unsigned long long*>(timeline);
   p.kernel_tag = static_cast<uint32_t>(kernel);
   void* args[] = {&p};
@@ -269,11 +271,15 @@ void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_st
   check(driver().LaunchKernel(k.function, num_ctas, 1, 1, num_threads, 1, 1, k.smem_bytes,
                               reinterpret_cast<CUstream>(stream), args, nullptr),
         "cuLaunchKernel(megamoe)");
-  // A windowed variant's window kernel: it returns at once unless the call left pool windows to it.
-  if (k.window_function != nullptr)
+  // A windowed variant's window kernel, `window_launches` times (buffer.py window_kernel_launches):
+  // each returns at once unless the call left it pool windows.
+  if (k.window_function == nullptr) return;
+  for (int launch = 0; launch < window_launches; ++launch) {
+    p.window_launch = launch;
     check(driver().LaunchKernel(k.window_function, num_ctas, 1, 1, num_threads, 1, 1, k.smem_bytes,
                                 reinterpret_cast<CUstream>(stream), args, nullptr),
           "cuLaunchKernel(megamoe window kernel)");
+  }
 }
 
 // Plain reads of host memory, no CUDA call: any thread may poll them, also after a trap
@@ -294,7 +300,7 @@ PYBIND11_MODULE(_runtime, m) {
         py::arg("timeout_s"));
   m.def("launch", &launch, py::arg("kernel"), py::arg("params"), py::arg("y"), py::arg("num_tokens"),
         py::arg("recv_stats"), py::arg("activation_clamp"), py::arg("num_ctas"), py::arg("num_threads"),
-        py::arg("stream"), py::arg("stop_after_phase") = 0, py::arg("timeline") = 0);
+        py::arg("stream"), py::arg("stop_after_phase") = 0, py::arg("timeline") = 0, py::arg("window_launches") = 0);
   m.def("free_params", &free_params, py::arg("params"));
   m.def("read_error_word", &read_error_word);
   m.def("read_bad_expert_ids", &read_bad_expert_ids);

@@ -35,7 +35,7 @@ import threading
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple, Union
 
-from ..buffer import SIGNAL_WORDS, BufferShape
+from ..buffer import SIGNAL_WORDS, BufferShape, window_loop
 from ..heuristics import DEFAULT_NUMERICS, REBALANCED_BLOCK_M, implemented_block_m
 from ..paths import CSRC_DIR, cache_dir
 from ..timeline import MAX_TILES as TIMELINE_MAX_TILES, RECORDS as TIMELINE_RECORDS, WORDS as TIMELINE_WORDS
@@ -91,7 +91,9 @@ class KernelVariant:
             f"{KERNEL_NAME}(const __grid_constant__ megamoe::KernelParams p) {{ megamoe::mega_moe<Cfg>(p); }}\n"
             + (f'extern "C" __global__ void __launch_bounds__(Cfg::kNumThreads, 1)\n'
                f"{WINDOW_KERNEL_NAME}(const __grid_constant__ megamoe::KernelParams p) "
-               f"{{ megamoe::mega_moe_windows<Cfg>(p); }}\n" if self.windowed else "")
+               f"{{ megamoe::mega_moe_windows<Cfg>(p); }}\n"
+               f"static_assert(Cfg::kWindowLoop == {cpp_bool[window_loop(self.block_m)]}, "
+               f"\"buffer.window_loop\");\n" if self.windowed else "")
             + f"static_assert(megamoe::kSmemBytes<Cfg> + 1024 == {smem_bytes_of(self)}, "
             f"\"heuristics.smem_bytes disagrees with smem.cuh SharedStorage\");\n"
             + signal_asserts + timeline_asserts

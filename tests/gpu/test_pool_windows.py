@@ -174,3 +174,22 @@ def test_exact_rows_do_not_depend_on_the_ep_width(num_ranks):
             alone = run(one_rank, all_experts, inputs[r], "exact")[0]
             assert torch.equal(ys[r].view(torch.int16), alone.view(torch.int16)), (
                 f"{routing}: rank {r}'s rows at R={num_ranks} differ from the same tokens on one rank")
+
+
+@pytest.mark.parametrize("name, bound_gib", [("v4flash", 1.0), ("v3", 2.0)])
+def test_ep8_buffers_allocate_within_the_bound(name, bound_gib):
+    """Issue 14's memory bound by a real allocation: eight ranks' buffers for 8192 tokens per rank at
+    EP8 (256 experts) take at most bound_gib each on the device, as get_symm_buffer_size says."""
+    from megamoe_plugin.configs import REFERENCE_SHAPES
+
+    ref = REFERENCE_SHAPES[name]
+    args = (8, 256, 8192, ref.num_topk, ref.hidden, ref.intermediate_size)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    bufs = mm.buffer.get_local_rank_buffers(*args)
+    allocated = torch.cuda.memory_allocated() - before
+    size = mm.get_symm_buffer_size(*args)
+    assert all(b.storage.numel() == size for b in bufs) and bufs[0].shape.windowed
+    assert size <= bound_gib * 2 ** 30 and allocated <= 8 * (size + 2 ** 21), (size, allocated)
+    del bufs
