@@ -109,8 +109,9 @@ def test_rows_line_up_with_the_header():
     first = results["points"][0]
     line = report.row(first)
     assert len(line) == len(report.header())
-    assert line.split() == ["v3", "fast", "1", "200.0", "5.0", "120.0", "1.67", "220.0", "600.0", "2.73"]
-    assert report.row(dict(first, baseline_us=None, speedup=None)).split()[-2:] == ["-", "-"]
+    # The last column, NVLink MB per call, is "-" on one rank.
+    assert line.split() == ["v3", "fast", "1", "200.0", "5.0", "120.0", "1.67", "220.0", "600.0", "2.73", "-"]
+    assert report.row(dict(first, baseline_us=None, speedup=None)).split()[-3:] == ["-", "-", "-"]
 
 
 def test_json_and_plot_from_fake_timings(tmp_path):
@@ -177,3 +178,26 @@ def test_no_baseline():
     assert make_baseline("none", {}) == (None, "none")
     with pytest.raises(ValueError, match="baseline must be one of"):
         make_baseline("cublas", {})
+
+
+def test_rank_floor_counts_the_nvlink_bytes_of_each_direction():
+    """With R ranks the benchmark reports a rank's NVLink bytes per call (issue 14): in, the rows it
+    pulls (FP8 row + scales) and the BF16 rows others scatter back to its tokens; out, the BF16 rows
+    it scatters to others' tokens; the larger of the two. One rank moves none."""
+    from megamoe_plugin.bench.floors import Ceilings, rank_floor
+
+    hidden, inter, local = 256, 128, 2
+    ceilings = Ceilings(hbm_bytes_per_s=1e12, fp8_flops_per_s=1e15, peer_bytes_per_s=1e11)
+    # Rank 0 owns experts 0-1, rank 1 experts 2-3. Rank 0's 3 tokens send 2 slots to rank 1's experts;
+    # rank 1's 2 tokens send 3 slots to rank 0's.
+    idx0 = torch.tensor([[0, 2], [1, 3], [1, -1]])
+    idx1 = torch.tensor([[0, 1], [3, 0]])
+    floor, flops, nvlink = rank_floor([idx0, idx1], 0, 2, hidden, inter, ceilings, local)
+    pulled, returned = 3, 2
+    into = pulled * (hidden + hidden // 128 * 4) + returned * 2 * hidden
+    out = pulled * 2 * hidden
+    assert nvlink == max(into, out) and floor >= nvlink / ceilings.peer_bytes_per_s
+    assert flops == 2 * 6 * 3 * inter * hidden  # rank 0 computes its 6 rows (3 own, 3 pulled)
+    assert rank_floor([idx0], 0, 1, hidden, inter, ceilings, local)[2] == 0
+    row = report.row(report.point("v3", "fast", 3, 1e-5, flops, floor, 2e-5, None, nvlink))
+    assert row.split()[-1] == f"{nvlink / 1e6:.2f}"

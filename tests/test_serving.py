@@ -32,15 +32,18 @@ class FakeRuntime:
     def __init__(self, events):
         self.events = events
         self.kernels = []
+        self.window_names = []  # per kernel: its window kernel's entry, "" for none
         self.params = {}
         self.freed = []
         self.launches = []
+        self.window_launches = []
         self.error_word = 0
         self.bad_expert_ids = 0
 
-    def load_kernel(self, cubin_path, name, smem_bytes):
+    def load_kernel(self, cubin_path, name, smem_bytes, window_name=""):
         self.events.append(("load", cubin_path))
         self.kernels.append(cubin_path)
+        self.window_names.append(window_name)
         return len(self.kernels) - 1
 
     def make_params(self, peer_ptrs, rank, offsets, pool_capacity, hidden, intermediate_size, num_local_experts,
@@ -56,6 +59,7 @@ class FakeRuntime:
 
     def launch(self, kernel, params, *args):
         self.launches.append((kernel, params))
+        self.window_launches.append(args[-1])  # launch's last argument: the window kernel's launches
 
     def read_error_word(self):
         return self.error_word
@@ -100,10 +104,10 @@ def _layer(seed):
     return random_layer(E, H, I, "cpu", torch.Generator().manual_seed(seed))
 
 
-def _buffer(num_ranks=1, group=None):
+def _buffer(num_ranks=1, group=None, pool_rows=None):
     """This rank's (0) buffer; for num_ranks > 1 the peers' addresses are stand-ins."""
-    shape = BufferShape(num_ranks, E * num_ranks, N, K, H, I)
-    storage = torch.zeros(get_symm_buffer_size(num_ranks, E * num_ranks, N, K, H, I), dtype=torch.uint8)
+    shape = BufferShape(num_ranks, E * num_ranks, N, K, H, I, pool_rows)
+    storage = torch.zeros(get_symm_buffer_size(num_ranks, E * num_ranks, N, K, H, I, pool_rows), dtype=torch.uint8)
     peers = (storage.data_ptr(),) + tuple(0x7000_0000 + r for r in range(1, num_ranks))
     return SymmBuffer(shape, storage, 0, peers, group=group)
 
@@ -130,6 +134,24 @@ def test_warmup_builds_every_layers_params_so_capture_builds_nothing(fake):
             _call(buf, layer, n)
     assert (len(fake.runtime.kernels), len(fake.runtime.params)) == (loaded, params)
     assert len(fake.runtime.launches) == len(layers) * len(COUNTS)
+
+
+def test_windowed_buffers_load_and_launch_the_window_kernel(fake):
+    """On pools that hold fewer rows than the worst routing, the op loads each variant with its
+    window kernel and launches it as often as BufferShape.window_kernel_launches says for the tier;
+    on other pools neither."""
+    from megamoe_plugin.jit import WINDOW_KERNEL_NAME
+
+    layer = _layer(0)
+    for buf in (_buffer(), _buffer(pool_rows=128)):
+        for n in COUNTS:
+            _call(buf, layer, n)
+            variant = ops.select_variant(buf, n, True)
+            assert variant.windowed == buf.shape.windowed
+            expected = buf.shape.window_kernel_launches(variant.block_m)
+            assert fake.runtime.window_launches[-1] == expected and (expected > 0) == buf.shape.windowed
+    windowed = {name for name in fake.runtime.window_names if name}
+    assert windowed == {WINDOW_KERNEL_NAME} and "" in fake.runtime.window_names
 
 
 def test_capture_that_would_compile_or_build_params_raises(fake):

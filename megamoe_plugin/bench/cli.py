@@ -7,7 +7,8 @@ rank's median), TFLOPS, rank 0's floor (bytes / measured HBM bandwidth, FLOPs / 
 FP8 GEMM rate, NVLink bytes / measured peer bandwidth: the ceilings are measured in the
 same run) and time / floor; then e2e_us, the call from BF16 hidden states (stage_inputs +
 the kernel), beside the baseline's time on the same inputs and the speedup (baseline /
-e2e). The table goes to stdout, a JSON file and a PNG plot to --results.
+e2e), and with R ranks rank 0's NVLink traffic per call (nvlink_MB: the larger direction, in MB,
+bench/floors.py rank_floor). The table goes to stdout, a JSON file and a PNG plot to --results.
 
     python -m megamoe_plugin.bench [--configs v3,v4flash] [--tokens 1,8,128] [--iters 20]
     python -m megamoe_plugin.bench --model /models/Qwen3-30B-A3B          # a model's MoE shape
@@ -263,9 +264,10 @@ class _Timer:
 
             all_idx = [None] * self.num_ranks
             dist.all_gather_object(all_idx, inputs["topk_idx"].cpu(), self.group)
-        floor, flops = rank_floor(all_idx, self.rank, self.num_ranks, self.hidden, self.inter, self.ceilings,
-                                  self.local_experts)
-        return report.point(self.name, numerics, n, t, flops, floor, t_e2e, t_base)
+        floor, flops, nvlink_bytes = rank_floor(all_idx, self.rank, self.num_ranks, self.hidden, self.inter,
+                                                self.ceilings, self.local_experts)
+        return report.point(self.name, numerics, n, t, flops, floor, t_e2e, t_base,
+                            nvlink_bytes if self.num_ranks > 1 else None)
 
     def close(self) -> None:
         import torch

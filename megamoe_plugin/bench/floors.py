@@ -55,8 +55,11 @@ def measure_peer_bandwidth(buf) -> float:
 
 
 def rank_floor(all_idx: List[torch.Tensor], rank: int, num_ranks: int, hidden: int, inter: int, ceilings: Ceilings,
-               local_experts: int) -> Tuple[float, int]:
-    """(floor seconds, FLOPs) of one rank, from every rank's routing (list of [n, K] ids)."""
+               local_experts: int) -> Tuple[float, int, int]:
+    """(floor seconds, FLOPs, NVLink bytes) of one rank, from every rank's routing (list of [n, K]
+    ids). The NVLink bytes are the larger direction of the rank's link traffic: in, the rows it
+    pulls (FP8 row and its scales) and the BF16 rows others scatter back to its tokens; out, the BF16
+    rows it scatters to others' tokens. 0 on one rank."""
     local = range(rank * local_experts, (rank + 1) * local_experts)
     rows = pulled = returned = 0
     experts_hit = set()
@@ -76,4 +79,4 @@ def rank_floor(all_idx: List[torch.Tensor], rank: int, num_ranks: int, hidden: i
     flops = 2 * rows * 3 * inter * hidden
     floor = max((weight_bytes + act_bytes) / ceilings.hbm_bytes_per_s, flops / ceilings.fp8_flops_per_s,
                 max(nvlink_in, nvlink_out) / ceilings.peer_bytes_per_s if num_ranks > 1 else 0.0)
-    return floor, flops
+    return floor, flops, max(nvlink_in, nvlink_out)

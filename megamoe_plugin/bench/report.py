@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 COLUMNS = (("config", "8s", "config"), ("numerics", "8s", "numerics"), ("tokens", "6d", "tokens"),
            ("time_us", "9.1f", "time_us"), ("TFLOPS", "7.1f", "tflops"), ("floor_us", "9.1f", "floor_us"),
            ("ratio", "6.2f", "time_per_floor"), ("e2e_us", "9.1f", "e2e_us"), ("base_us", "9.1f", "baseline_us"),
-           ("speedup", "7.2f", "speedup"))
+           ("speedup", "7.2f", "speedup"), ("nvlink_MB", "9.2f", "nvlink_mb"))
 
 
 def _width(spec: str) -> int:
@@ -31,13 +31,15 @@ def row(point: Dict) -> str:
 
 
 def point(config: str, numerics: str, tokens: int, time_s: float, flops: int, floor_s: float, e2e_s: float,
-          baseline_s: Optional[float]) -> Dict:
-    """One measured point as the JSON file and the table hold it (times in us)."""
+          baseline_s: Optional[float], nvlink_bytes: Optional[int] = None) -> Dict:
+    """One measured point as the JSON file and the table hold it (times in us; the rank's NVLink
+    traffic per call in MB, floors.rank_floor, None on one rank)."""
     return dict(config=config, numerics=numerics, tokens=tokens, time_us=time_s * 1e6,
                 tflops=flops / time_s / 1e12, floor_us=floor_s * 1e6,
                 time_per_floor=time_s / floor_s if floor_s > 0 else None,  # 0 tokens: no work, no floor
                 e2e_us=e2e_s * 1e6, baseline_us=None if baseline_s is None else baseline_s * 1e6,
-                speedup=None if baseline_s is None else baseline_s / e2e_s)
+                speedup=None if baseline_s is None else baseline_s / e2e_s,
+                nvlink_mb=None if nvlink_bytes is None else nvlink_bytes / 1e6)
 
 
 def plot(results: Dict, path: Path) -> None:
