@@ -10,7 +10,8 @@ kernel and the rest in the window kernel (csrc/megamoe/kernel.cuh mega_moe_windo
   (every token to one expert, half the experts empty), ranks with 0 tokens and with different
   counts; against the reference and bit for bit against the ranks on unwindowed pools.
 - CUDA graph replay of a windowed call (the window kernel is a node of the graph); 1000 calls in a
-  row at R = 4 with random per-rank token counts and routings, each bit for bit its first result.
+  row at R = 2, 4 and 8 with random per-rank token counts and routings, each bit for bit its first
+  result (R = 4 ran in round 24; R = 2 and 8 were added after the session's device time was spent).
 - Exact mode's EP-width invariance: a token's row at R ranks is bit for bit its row on one rank
   that holds all R ranks' experts."""
 import math
@@ -114,12 +115,12 @@ def test_windowed_ranks_side_by_side(num_ranks, numerics):
 
 
 @pytest.mark.parametrize("numerics", NUMERICS_MODES)
-def test_windowed_ranks_a_thousand_calls(numerics):
-    """R = 4 ranks on 128-row pools, 1000 calls in a row, each with random per-rank token counts and
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_windowed_ranks_a_thousand_calls(num_ranks, numerics):
+    """R ranks on 128-row pools, 1000 calls in a row, each with random per-rank token counts and
     routing drawn from 24 input sets (each judged against the reference once): every call's rows are
     bit for bit the first call's of its set. Leftover state (the window flag, the counters, the L2
     claim counter) or a race would show as a wrong or moving row, or as a hang."""
-    num_ranks = 4
     hidden, inter, topk, local_experts, max_tokens = WINDOW_RANK_SHAPE
     gen = _seeds.next_generator()
     layers = [random_layer(local_experts, hidden, inter, "cuda", gen) for _ in range(num_ranks)]
