@@ -122,10 +122,10 @@ __device__ void dispatch_list(const KernelParams& p, uint8_t* base, int* local_c
 // Windowed variants (Cfg::kWindowed): the part of the pool the GEMM phases run, the global m-blocks
 // [first_mblock, end_mblock) (a window of consecutive m-blocks, at most pool_capacity / BLOCK_M of
 // them); their rows lie in the pool from row 0 on, where exp_start has been shifted by the window's
-// first row (kernel.cuh enter_window). l2_claim_base: the call's L2 claim counter when the window's
+// first row (enter_pool_window below). l2_claim_base: the call's L2 claim counter when the window's
 // L2 tiles start (pipeline.cuh L2TileQueue).
 struct PoolWindow {
-  int first_mblock, end_mblock, l2_claim_base, index;
+  int first_mblock, end_mblock, l2_claim_base;
 };
 
 // Tables every CTA keeps in shared memory for the GEMM phases.
@@ -263,7 +263,7 @@ __device__ void enter_pool_window(const KernelParams& p, const ExpertTables& t, 
   const int shift = w == 0 ? 0 : mblock_first_row<Cfg>(t, first);
   __syncthreads();  // every thread has read the unshifted rows
   for (int el = threadIdx.x; el < Cfg::kNumLocalExperts; el += blockDim.x) t.exp_start[el] -= shift;
-  if (threadIdx.x == 0) *window = {first, end, first * Cfg::kL2NumNBlocks + w * static_cast<int>(gridDim.x), w};
+  if (threadIdx.x == 0) *window = {first, end, first * Cfg::kL2NumNBlocks + w * static_cast<int>(gridDim.x)};
   __syncthreads();
 }
 

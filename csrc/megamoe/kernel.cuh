@@ -190,6 +190,7 @@ __device__ __forceinline__ uint8_t* aligned_dynamic_smem() {
 template <class Cfg>
 struct CtaShared {
   using Smem = SharedStorage<Cfg>;
+  static_assert(sizeof(PoolWindow) == sizeof(Smem::pool_window), "smem.cuh SharedStorage::pool_window");
   uint8_t* smem = aligned_dynamic_smem();
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + offsetof(Smem, full));
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + offsetof(Smem, empty));

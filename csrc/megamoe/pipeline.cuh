@@ -101,7 +101,7 @@ struct L2TileQueue {
   uint64_t* full;  // SharedStorage::full: the queue's members lie at constant offsets from it
   // Producer: the next unclaimed tile of the call's (windowed: of the window's) L2 tiles (>= the
   // phase's tile count: none left). Each CTA ends a phase with one claim past its tiles, so a window
-  // starts at the counter's first_mblock * kL2NumNBlocks + index * gridDim.x (kernel.cuh enter_window).
+  // starts at the counter's first_mblock * kL2NumNBlocks + window * gridDim.x (dispatch.cuh enter_pool_window).
   __device__ int claim(const KernelParams& p, const ExpertTables& tables) const {
     const int claimed = static_cast<int>(atomicAdd(p.l2_tiles_claimed, 1u));
     if constexpr (Cfg::kWindowed) return claimed - tables.window->l2_claim_base;

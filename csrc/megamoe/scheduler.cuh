@@ -29,18 +29,29 @@ struct Tile {
   int n_block;
 };
 
+// The global m-blocks [first, end) the GEMM phases run: the current pool window's (windowed
+// variants, dispatch.cuh PoolWindow), else all of the call's.
+template <class Cfg>
+__device__ __forceinline__ int first_gemm_mblock(const ExpertTables& tables) {
+  return Cfg::kWindowed ? tables.window->first_mblock : 0;
+}
+template <class Cfg>
+__device__ __forceinline__ int end_gemm_mblock(const ExpertTables& tables) {
+  return Cfg::kWindowed ? tables.window->end_mblock : tables.mblk_prefix[Cfg::kNumLocalExperts];
+}
+
 template <class Cfg>
 struct TileScheduler {
   const ExpertTables& tables;
   int num_n_blocks;
   __device__ int num_tiles() const {
-    if constexpr (Cfg::kWindowed) return (tables.window->end_mblock - tables.window->first_mblock) * num_n_blocks;
-    return tables.mblk_prefix[Cfg::kNumLocalExperts] * num_n_blocks;
+    return (end_gemm_mblock<Cfg>(tables) - first_gemm_mblock<Cfg>(tables)) * num_n_blocks;
   }
   __device__ Tile decode(int tile) const {
     if constexpr (Cfg::kWindowed) {
-      // The window's tiles, n-major inside each expert's m-blocks of the window.
-      const int first_gm = tables.window->first_mblock, end_gm = tables.window->end_mblock;
+      // The window's tiles, n-major inside each expert's m-blocks of the window (the branch below is
+      // this with the whole call as the window, kept as it was: unwindowed variants keep their SASS).
+      const int first_gm = first_gemm_mblock<Cfg>(tables), end_gm = end_gemm_mblock<Cfg>(tables);
       const int el = last_le(tables.mblk_prefix, Cfg::kNumLocalExperts, first_gm + tile / num_n_blocks);
       const int first = max(tables.mblk_prefix[el], first_gm);
       const int num_m = min(tables.mblk_prefix[el + 1], end_gm) - first;
@@ -125,9 +136,8 @@ __device__ __forceinline__ bool wait_pulled_rows(const KernelParams& p, const ui
 template <class Cfg>
 __device__ __forceinline__ void wait_pool_pulled(const KernelParams& p, const uint8_t* base, const ExpertTables& tables) {
   if (!Role::producer_warpgroup()) {
-    const int first_gm = Cfg::kWindowed ? tables.window->first_mblock : 0;
-    const int end_gm = Cfg::kWindowed ? tables.window->end_mblock : tables.mblk_prefix[Cfg::kNumLocalExperts];
-    for (int gm = first_gm + Role::math_thread(); gm < end_gm; gm += Cfg::kNumMathThreads) {
+    const int end_gm = end_gemm_mblock<Cfg>(tables);
+    for (int gm = first_gemm_mblock<Cfg>(tables) + Role::math_thread(); gm < end_gm; gm += Cfg::kNumMathThreads) {
       const int el = last_le(tables.mblk_prefix, Cfg::kNumLocalExperts, gm);
       const Tile t{el, gm - tables.mblk_prefix[el], 0};
       bounded_wait(p, kErrPulledRowsTimeout, [&] { return pulled_rows_ready<Cfg>(p, base, tables, t); });

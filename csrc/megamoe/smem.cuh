@@ -25,9 +25,9 @@ struct SharedStorage {
   uint64_t l2_tile_full[Cfg::kL2TileSlots];
   int l2_tile_ids[Cfg::kL2TileSlots];
   uint32_t rank_rounds_at_start;  // sync.cuh rank_rounds_done when the call started (kernel.cuh)
-  // Windowed variants: the pool window the GEMM phases run (scheduler.cuh PoolWindow), set by
-  // thread 0 of the CTA for all of its threads.
-  int pool_window[4];
+  // Windowed variants: the pool window the GEMM phases run (dispatch.cuh PoolWindow, which
+  // kernel.cuh CtaShared checks fits), set by thread 0 of the CTA for all of its threads.
+  int pool_window[3];
   // L1 requant amax exchange across the math warps, [k-block parity][math warp][row] (epilogue.cuh).
   alignas(1024) float amax_exchange[2][Cfg::kAmaxSlots][Cfg::kBlockM];
   // The local experts' pool layout (dispatch.cuh): exp_start[E_l], exp_count[E_l], mblk_prefix[E_l + 1].
