@@ -33,6 +33,7 @@ mega_moe_windows), so no routing needs more memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
@@ -55,7 +56,7 @@ SIGNAL_WORDS = {
     "rank_barrier": 2,       # arrivals of all ranks at this rank's cross-rank barrier, mod 2^32
     "rank_barrier_done": 3,  # cross-rank barriers completed, mod 2^32 (rank_barrier = done * R)
     "l2_tiles_claimed": 4,   # L2 tiles claimed in the call; zeroed by the kernel at exit
-    "windows_pending": 5,    # 1 while a call's later pool windows wait for the window kernel; else 0
+    "windows_pending": 5,    # a call's pool windows while its later ones wait for the window kernel; else 0
 }
 # The pools' default rows, as a multiple of the entries one rank's own tokens make (N * K), plus
 # the per-expert padding: the rows of a balanced routing at any EP width and half as many again.
@@ -151,15 +152,23 @@ class BufferShape:
         """Launches of the window kernel per call of a variant of tier `block_m` on this buffer
         (csrc/megamoe/kernel.cuh mega_moe_windows): none where the pools hold every routing, one
         where it loops over the windows (window_loop), else (the rebalanced tier) one per window
-        after the first that the worst routing can make; those past a call's windows return at once."""
-        if not self.windowed:
-            return 0
-        if window_loop(block_m):
-            return 1
-        entries = self.num_max_recv_entries
-        max_mblocks = (entries + min(self.num_local_experts, entries) * (block_m - 1)) // block_m
-        per_window = self.pool_capacity // block_m
-        return -(-max_mblocks // per_window) - 1
+        after the first that the worst routing can make; those past a call's windows return at once.
+        Every call asks (ops.fp8_mega_moe): computed once per shape, for every tier."""
+        return self._window_kernel_launches[block_m]
+
+    @functools.cached_property
+    def _window_kernel_launches(self) -> Dict[int, int]:
+        def launches(block_m: int) -> int:
+            if not self.windowed:
+                return 0
+            if window_loop(block_m):
+                return 1
+            entries = self.num_max_recv_entries
+            max_mblocks = (entries + min(self.num_local_experts, entries) * (block_m - 1)) // block_m
+            per_window = self.pool_capacity // block_m
+            return -(-max_mblocks // per_window) - 1
+
+        return {block_m: launches(block_m) for block_m in IMPLEMENTED_BLOCK_M}
 
     @property
     def windowed(self) -> bool:
