@@ -147,17 +147,18 @@ int load_kernel(const std::string& cubin_path, const std::string& name, int smem
     check(driver().ModuleLoad(&module, cubin_path.c_str()), ("cuModuleLoad(" + cubin_path + ")").c_str());
     it = g_modules.emplace(key, module).first;
   }
+  // One entry of the module, allowed the launch's dynamic shared memory.
+  const auto entry = [&](const std::string& entry_name) {
+    CUfunction function = nullptr;
+    check(driver().ModuleGetFunction(&function, it->second, entry_name.c_str()),
+          ("cuModuleGetFunction(" + entry_name + ")").c_str());
+    check(driver().FuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
+          ("cuFuncSetAttribute(" + entry_name + ", max dynamic shared memory)").c_str());
+    return function;
+  };
   auto k = std::make_unique<Kernel>();
-  check(driver().ModuleGetFunction(&k->function, it->second, name.c_str()), "cuModuleGetFunction");
-  check(driver().FuncSetAttribute(k->function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
-        "cuFuncSetAttribute(max dynamic shared memory)");
-  k->window_function = nullptr;
-  if (!window_name.empty()) {
-    check(driver().ModuleGetFunction(&k->window_function, it->second, window_name.c_str()),
-          "cuModuleGetFunction(window kernel)");
-    check(driver().FuncSetAttribute(k->window_function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
-          "cuFuncSetAttribute(window kernel, max dynamic shared memory)");
-  }
+  k->function = entry(name);
+  k->window_function = window_name.empty() ? nullptr : entry(window_name);
   k->smem_bytes = smem_bytes;
   g_kernels.push_back(std::move(k));
   return static_cast<int>(g_kernels.size()) - 1;
