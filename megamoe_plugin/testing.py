@@ -163,23 +163,34 @@ def reference_outputs(inputs: List[Dict[str, torch.Tensor]], layers: List[Layer]
 def output_errors(ys: List[torch.Tensor], inputs: List[Dict[str, torch.Tensor]], layers: List[Layer],
                   num_experts: int, numerics: str, activation_clamp: Optional[float] = None) -> List[Optional[str]]:
     """Each rank's output against docs/design.md section 2 for `numerics`: None where it passes,
-    else what failed. Exact mode: the exact reference at NUMERICS_BOUNDS["exact"]. Fast mode:
-    the exact reference at NUMERICS_BOUNDS["fast"], and the FP8-tensor-core reference at
-    FAST_VS_FP8_TENSOR_CORE_BOUNDS (CUDA only)."""
-    from .reference import FAST_VS_FP8_TENSOR_CORE_BOUNDS, NUMERICS_BOUNDS, check_close
+    else every check that failed. Exact mode: the exact reference at NUMERICS_BOUNDS["exact"]. Fast
+    mode: the exact reference at NUMERICS_BOUNDS["fast"], and the FP8-tensor-core reference at
+    FAST_VS_FP8_TENSOR_CORE_BOUNDS (CUDA only).
+    Every token is judged on its rank; calc_diff over the call's whole output, all ranks' rows
+    together (section 2: "over the whole output"). Judged rank by rank, a rank with one token made
+    calc_diff that token's own error (about half its relative error squared), so fast mode's bound
+    (5e-5) asked that token for 1e-2, not the 3e-2 that section 2 allows each token: FP8 tensor
+    cores pass 1e-2 for a few tokens per thousand, the FP8-tensor-core reference as well (round 25
+    saw 1.1e-2 and 2.1e-2 on one-token ranks whose rows met the second check)."""
+    from .reference import FAST_VS_FP8_TENSOR_CORE_BOUNDS, NUMERICS_BOUNDS, calc_diff, check_close
 
     checks = [("exact reference", None, NUMERICS_BOUNDS[numerics])]
     if numerics == "fast":
         checks.append(("FP8-tensor-core reference", fp8_tensor_core_l1, FAST_VS_FP8_TENSOR_CORE_BOUNDS))
-    errors: List[Optional[str]] = [None] * len(ys)
+    errors: List[List[str]] = [[] for _ in ys]
     for name, l1_gemm, (max_diff, max_token_rel) in checks:
         refs = reference_outputs(inputs, layers, num_experts, activation_clamp, l1_gemm)
         for r, (y, ref) in enumerate(zip(ys, refs)):
             try:
-                check_close(y, ref, max_diff, max_token_rel)
+                check_close(y, ref, float("inf"), max_token_rel)
             except AssertionError as exc:
-                errors[r] = errors[r] or f"{numerics} numerics vs the {name}: {exc}"
-    return errors
+                errors[r].append(f"{numerics} numerics vs the {name}: {exc}")
+        whole = calc_diff(torch.cat([y.double().flatten(1) for y in ys]), torch.cat([r.double().flatten(1) for r in refs]))
+        if not whole <= max_diff:  # NaN fails too (check_close above names where)
+            for r in range(len(ys)):
+                errors[r].append(f"{numerics} numerics vs the {name}: the call's calc_diff over all {len(ys)} "
+                                 f"ranks' rows {whole:.3e} > {max_diff:.1e}")
+    return ["; ".join(e) if e else None for e in errors]
 
 
 def check_outputs(ys: List[torch.Tensor], inputs: List[Dict[str, torch.Tensor]], layers: List[Layer],
