@@ -2,6 +2,8 @@
 `_stop_after_phase` debug switch) and prints the cumulative times and their differences.
 
     python3 tools/phase_times.py [--configs v4flash,v3] [--tokens 1,128,8192] [--iters 10] [--local-experts 32]
+        [--pool-rows shortK | ROWS]   (pools of K rows fewer than the worst routing needs, or of ROWS:
+                                       the windowed variant, docs/design.md 4.9; default: every row)
 
 With --profile, each (config, tokens) instead runs the full call and the calls stopped
 after each phase once more between cudaProfilerStart/Stop, for Nsight Compute to read
@@ -17,6 +19,7 @@ import functools
 import torch
 
 import megamoe_plugin as mm
+from megamoe_plugin.buffer import BufferShape
 from megamoe_plugin.bench.cli import CONFIGS, LOCAL_EXPERTS
 from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer, reset_after_stopped_call
 from megamoe_plugin.timing import l2_flusher, median_call_seconds
@@ -36,6 +39,15 @@ def add_call_arguments(parser: argparse.ArgumentParser, tokens: str = "1,128,819
     parser.add_argument("--tokens", default=tokens)
     parser.add_argument("--local-experts", type=int, default=LOCAL_EXPERTS,
                         help="e.g. 128 for the tools/e2e model (qwen30's H/I/top-k with 128 experts)")
+    parser.add_argument("--pool-rows", default=None,
+                        help="shortK (K rows fewer than the worst routing needs) or a row count: windowed pools")
+
+
+def pool_rows_for(spec, shape: BufferShape):
+    """--pool-rows as get_symm_buffer's pool_rows (None: the default pools)."""
+    if spec is None:
+        return None
+    return shape.max_pool_rows - int(spec[len("short"):]) if spec.startswith("short") else int(spec)
 
 
 def calls(args):
@@ -46,7 +58,9 @@ def calls(args):
     for name in args.configs.split(","):
         hidden, inter, topk = CONFIGS[name]
         layer = random_layer(args.local_experts, hidden, inter, "cuda", gen)
-        buf = mm.get_symm_buffer(None, args.local_experts, max(tokens_list), topk, hidden, inter)
+        shape = BufferShape(1, args.local_experts, max(tokens_list), topk, hidden, inter)
+        buf = mm.get_symm_buffer(None, args.local_experts, max(tokens_list), topk, hidden, inter,
+                                 pool_rows=pool_rows_for(args.pool_rows, shape))
         for n in tokens_list:
             fill_buffer(buf, random_inputs(n, hidden, args.local_experts, topk, "uniform", "cuda", gen))
             yield name, hidden, inter, layer, buf, torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")

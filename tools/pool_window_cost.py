@@ -20,13 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megamoe_plugin.buffer import BufferShape  # noqa: E402
 from megamoe_plugin.configs import REFERENCE_SHAPES  # noqa: E402
+from phase_times import pool_rows_for  # noqa: E402  (tools/ is this script's folder)
 
 
 def pool_configs(shape: BufferShape, spec: str):
     """{label: pool_rows} for the default pools and each of --pool-rows."""
     out = {"whole": None}
     for item in spec.split(","):
-        rows = shape.max_pool_rows - int(item[len("short"):]) if item.startswith("short") else int(item)
+        rows = pool_rows_for(item, shape)
         BufferShape(*shape_args(shape), rows)  # checks the value
         out[item] = rows
     return out
