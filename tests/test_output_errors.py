@@ -1,6 +1,7 @@
 """testing.output_errors, the GPU tests' judge, on made-up outputs (no kernel, no GPU): every token on
-its rank, calc_diff over the call's whole output (docs/design.md section 2), every failing check named.
-The references are stubbed, so fast mode's second check (cuBLAS FP8) needs no GPU here."""
+its rank, calc_diff over the call's whole output (docs/design.md section 2), every failing check named,
+and fast mode's misses against the exact reference excused only where the FP8-tensor-core reference
+misses as far. The references are stubbed, so fast mode's second check (cuBLAS FP8) needs no GPU here."""
 import math
 
 import pytest
@@ -41,7 +42,8 @@ def test_a_one_token_rank_is_judged_within_the_call(judge):
     refs = [_rows(1, 0), _rows(64, 1)]
     ys = [_with_error(refs[0], 2e-2), refs[1].clone()]  # alone, rank 0's calc_diff is ~2e-4 > 5e-5
     assert calc_diff(ys[0], refs[0]) > 1e-4
-    assert judge(ys, refs) == [None, None]
+    assert judge(ys, refs, tc_refs=[refs[0].clone(), refs[1].clone()])[1] is None
+    assert "exact reference" not in (judge(ys, refs, tc_refs=[ys[0].clone(), refs[1].clone()])[0] or "")
     # The second check still holds each token to 1e-2 against the FP8-tensor-core reference.
     errors = judge(ys, refs, tc_refs=refs)
     assert errors[1] is None and "FP8-tensor-core reference" in errors[0] and "exact reference" not in errors[0]
@@ -59,7 +61,7 @@ def test_a_token_over_its_bound_fails_its_rank_only(judge):
 def test_the_whole_calls_calc_diff_fails_every_rank(judge):
     refs = [_rows(32, 0), _rows(32, 1)]
     ys = [_with_error(r, 1.2e-2) for r in refs]  # every token under 3e-2, calc_diff ~7e-5 > 5e-5
-    errors = judge(ys, refs)
+    errors = judge(ys, refs, tc_refs=refs)
     assert all("the call's calc_diff over all 2 ranks' rows" in e for e in errors)
     assert all("exact reference" in e for e in errors)
 
@@ -76,3 +78,27 @@ def test_nan_fails_and_names_its_rank(judge):
 def test_empty_ranks_pass(judge):
     refs = [torch.zeros(0, H, dtype=torch.float64), _rows(3, 1)]
     assert judge([refs[0].clone(), refs[1].clone()], refs, numerics="exact") == [None, None]
+
+
+def test_a_miss_that_fp8_tensor_cores_make_too_passes(judge):
+    refs = [_rows(1, 0), _rows(16, 1)]
+    tc = [_with_error(refs[0], 3.05e-2), refs[1].clone()]  # cuBLAS FP8 L1 itself over 3e-2 and 5e-5
+    ys = [tc[0].clone(), refs[1].clone()]
+    assert judge(ys, refs, tc_refs=tc) == [None, None]
+
+
+def test_a_miss_beyond_fp8_tensor_cores_fails(judge):
+    refs = [_rows(1, 0), _rows(16, 1)]
+    tc = [_with_error(refs[0], 3.05e-2), refs[1].clone()]
+    ys = [_with_error(refs[0], 4.5e-2), refs[1].clone()]  # over 1.25 x the tensor cores' own miss
+    errors = judge(ys, refs, tc_refs=tc)
+    assert "fast numerics vs the exact reference: y does not match" in errors[0]
+    assert "the FP8-tensor-core reference itself vs the exact one" in errors[0]
+
+
+def test_nan_is_never_excused(judge):
+    refs = [_rows(4, 0)]
+    ys = [refs[0].clone()]
+    ys[0][1, 3] = math.nan
+    errors = judge(ys, refs)  # the FP8-tensor-core stub holds the NaN too
+    assert "y has 1 NaN" in errors[0] and "exact reference" in errors[0]
