@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Round 25, one H200 (run in the repo root by the device tool; carry .whl and .carry/r25).
-#  STEP=tests:    the GPU suite, then compute-sanitizer memcheck + racecheck of every tier on round 24's
-#                 sanitizer shapes (tools/sanitizer_sweep.sh), pool windows among them.
+#  STEP=tests:    the GPU suite, then (unless SANITIZE=0) compute-sanitizer memcheck + racecheck of every
+#                 tier on round 24's sanitizer shapes (tools/sanitizer_sweep.sh), pool windows among them.
 #  STEP=poolcost: tools/pool_window_cost.py (what pool windows cost, interleaved buffers), $POOL_ARGS.
 #  STEP=windiag:  tests/gpu/test_pool_windows.py alone (its seeds as in the suite), then v4flash at 8192
 #                 tokens with the default pools and pools 128 rows short (windowed): tools/phase_times.py
 #                 three times each, alternating, and tools/tile_timeline.py once each.
+#  STEP=bench:    python -m megamoe_plugin.bench, both configs and modes, $ROUNDS rounds back to back.
 #  STEP=combineab: combine_ab.py here under main and under this tree, $ROUNDS rounds alternating ($COMBINE_ARGS).
 #  STEP=placement: combine_placement.py here for $PLACEMENT_CONFIGS (y at several offsets, one buffer).
 # The tree's cubins: .carry/r25/jit.tar.xz; the commit it is: .carry/r25/commit.txt (both written on
@@ -22,8 +23,10 @@ if [[ " ${STEP} " == *" tests "* ]]; then
   grep -E "^FAILED|^ERROR|passed|failed|SKIPPED|Error|assert" /tmp/tests.log | head -60 > "$OUT/tests_summary.txt"
   gzip -c /tmp/tests.log > "$OUT/tests.log.gz"
   grep -c "megamoe: compiling" /tmp/tests.log | sed 's/^/nvcc runs during the tests: /'
-  python3 docs/results/2026-12-04-h200-r24/variants.py --jobs | bash tools/sanitizer_sweep.sh | tail -1 || rc=1
-  stamp "sanitizers done"
+  if [ "${SANITIZE:-1}" != 0 ]; then
+    python3 docs/results/2026-12-04-h200-r24/variants.py --jobs | bash tools/sanitizer_sweep.sh | tail -1 || rc=1
+    stamp "sanitizers done"
+  fi
 fi
 if [[ " ${STEP} " == *" poolcost "* ]]; then
   python3 tools/pool_window_cost.py ${POOL_ARGS:-} 2>&1 | tee "$OUT/pool_window_cost.txt"
@@ -62,5 +65,13 @@ if [[ " ${STEP} " == *" combineab "* ]]; then
   done 2>&1 | grep -v "^\s*$" | tee "$OUT/combine_ab.txt"
   grep -c "megamoe: compiling" "$OUT/combine_ab.txt" | sed 's/^/nvcc runs: /'
   stamp "combineab done"
+fi
+if [[ " ${STEP} " == *" bench "* ]]; then
+  for r in $(seq 1 "${ROUNDS:-2}"); do
+    timeout 200 python3 -m megamoe_plugin.bench --configs v3,v4flash --numerics fast,exact --baseline none \
+      > "$OUT/bench_$r.txt" 2> /tmp/bench_$r.err; echo "bench round $r rc $?"
+  done
+  grep -c "megamoe: compiling" /tmp/bench_*.err | sed 's/^/nvcc runs: /'
+  stamp "bench done"
 fi
 exit $rc
