@@ -11,7 +11,7 @@ kernel and the rest in the window kernel (csrc/megamoe/kernel.cuh mega_moe_windo
   counts; against the reference and bit for bit against the ranks on unwindowed pools.
 - CUDA graph replay of a windowed call (the window kernel is a node of the graph); 1000 calls in a
   row at R = 2, 4 and 8 with random per-rank token counts and routings, each bit for bit its first
-  result (R = 4 ran in round 24; R = 2 and 8 were added after the session's device time was spent).
+  result.
 - Exact mode's EP-width invariance: a token's row at R ranks is bit for bit its row on one rank
   that holds all R ranks' experts."""
 import math
@@ -78,21 +78,30 @@ def test_windowed_call_in_a_cuda_graph(setup, numerics):
         check_outputs([y], [inputs], [layer], s.local_experts, numerics)
 
 
-def _ranks(num_ranks, local_experts, max_tokens, topk, hidden, inter, pool_rows):
+def _ranks(num_ranks, pool_rows):
+    """WINDOW_RANK_SHAPE's buffers for R ranks side by side on one GPU, with pool_rows-row pools (None:
+    the default)."""
+    hidden, inter, topk, local_experts, max_tokens = WINDOW_RANK_SHAPE
     return mm.buffer.get_local_rank_buffers(num_ranks, local_experts * num_ranks, max_tokens, topk, hidden, inter,
                                             pool_rows=pool_rows)
+
+
+def _rank_world(num_ranks, pool_rows):
+    """The test's generator (the module's next seed), a random layer per rank drawn from it, _ranks's
+    buffers and a stream per rank."""
+    hidden, inter, topk, local_experts, max_tokens = WINDOW_RANK_SHAPE
+    gen = _seeds.next_generator()
+    layers = [random_layer(local_experts, hidden, inter, "cuda", gen) for _ in range(num_ranks)]
+    return gen, layers, _ranks(num_ranks, pool_rows), [torch.cuda.Stream() for _ in range(num_ranks)]
 
 
 @pytest.mark.parametrize("numerics", NUMERICS_MODES)
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_windowed_ranks_side_by_side(num_ranks, numerics):
     hidden, inter, topk, local_experts, max_tokens = WINDOW_RANK_SHAPE
-    gen = _seeds.next_generator()
-    layers = [random_layer(local_experts, hidden, inter, "cuda", gen) for _ in range(num_ranks)]
-    windowed = _ranks(num_ranks, local_experts, max_tokens, topk, hidden, inter, WINDOW_POOL_ROWS)
-    whole = _ranks(num_ranks, local_experts, max_tokens, topk, hidden, inter, windowed[0].shape.max_pool_rows)
+    gen, layers, windowed, streams = _rank_world(num_ranks, WINDOW_POOL_ROWS)
+    whole = _ranks(num_ranks, windowed[0].shape.max_pool_rows)
     assert windowed[0].shape.windowed and not whole[0].shape.windowed
-    streams = [torch.cuda.Stream() for _ in range(num_ranks)]
     num_experts = local_experts * num_ranks
     steps = [(max_tokens, "one_expert"), (max_tokens, "uniform"), (max_tokens // 2 + 1, "half_empty"),
              (0, "uniform"), (max_tokens, "masked"), (1, "one_expert")]
@@ -122,10 +131,7 @@ def test_windowed_ranks_a_thousand_calls(num_ranks, numerics):
     bit for bit the first call's of its set. Leftover state (the window flag, the counters, the L2
     claim counter) or a race would show as a wrong or moving row, or as a hang."""
     hidden, inter, topk, local_experts, max_tokens = WINDOW_RANK_SHAPE
-    gen = _seeds.next_generator()
-    layers = [random_layer(local_experts, hidden, inter, "cuda", gen) for _ in range(num_ranks)]
-    bufs = _ranks(num_ranks, local_experts, max_tokens, topk, hidden, inter, WINDOW_POOL_ROWS)
-    streams = [torch.cuda.Stream() for _ in range(num_ranks)]
+    gen, layers, bufs, streams = _rank_world(num_ranks, WINDOW_POOL_ROWS)
     num_experts = local_experts * num_ranks
     pick = random.Random(2024)
     sets = []
@@ -160,12 +166,9 @@ def _one_rank_layer(layers) -> Layer:
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_exact_rows_do_not_depend_on_the_ep_width(num_ranks):
     hidden, inter, topk, local_experts, max_tokens = WINDOW_RANK_SHAPE
-    gen = _seeds.next_generator()
-    layers = [random_layer(local_experts, hidden, inter, "cuda", gen) for _ in range(num_ranks)]
-    bufs = mm.buffer.get_local_rank_buffers(num_ranks, local_experts * num_ranks, max_tokens, topk, hidden, inter)
+    gen, layers, bufs, streams = _rank_world(num_ranks, None)
     one_rank = mm.get_symm_buffer(None, local_experts * num_ranks, max_tokens, topk, hidden, inter)
     all_experts = _one_rank_layer(layers)
-    streams = [torch.cuda.Stream() for _ in range(num_ranks)]
     num_experts = local_experts * num_ranks
     for routing in ("uniform", "masked", "one_expert"):
         counts = [max_tokens - 5 * r for r in range(num_ranks)]
