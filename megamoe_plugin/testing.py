@@ -217,11 +217,12 @@ def output_errors(ys: List[torch.Tensor], inputs: List[Dict[str, torch.Tensor]],
                                  f"ranks' rows {diff:.3e} > {max_diff:.1e}")
     if numerics == "fast" and any(errors):  # whether FP8 tensor cores themselves (cuBLAS) miss there too
         tc, exact = refs["FP8-tensor-core reference"], refs["exact reference"]
-        worst = [float(token_rel_errors(t, e).max()) if t.shape[0] else 0.0 for t, e in zip(tc, exact)]
+        tc_diff = whole(tc, exact)
         for r in range(len(ys)):
             if errors[r]:
+                worst = float(token_rel_errors(tc[r], exact[r]).max()) if tc[r].shape[0] else 0.0
                 errors[r].append(f"(the FP8-tensor-core reference itself vs the exact one: the call's calc_diff "
-                                 f"{whole(tc, exact):.3e}, this rank's worst token {worst[r]:.3e})")
+                                 f"{tc_diff:.3e}, this rank's worst token {worst:.3e})")
     return ["; ".join(e) if e else None for e in errors]
 
 

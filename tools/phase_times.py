@@ -19,8 +19,8 @@ import functools
 import torch
 
 import megamoe_plugin as mm
-from megamoe_plugin.buffer import BufferShape
 from megamoe_plugin.bench.cli import CONFIGS, LOCAL_EXPERTS
+from megamoe_plugin.buffer import BufferShape
 from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer, reset_after_stopped_call
 from megamoe_plugin.timing import l2_flusher, median_call_seconds
 
