@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Round 26, one H200: issue 12's closing run on one commit (run in the repo root by the device tool;
+# carry .whl and .carry/r26). Cubins: .carry/r26/jit.tar.xz (every variant below, compiled on the CPU
+# machine); the commit: .carry/r26/commit.txt. Everything lands in $OUT/r26/, packed at the end.
+#  STEP=tests:  the GPU suite (both numerics modes), then compute-sanitizer memcheck + racecheck of every
+#               tier (round 24's jobs: docs/results/2026-12-04-h200-r24/variants.py --jobs).
+#  STEP=bench:  python -m megamoe_plugin.bench, both configs and modes, $ROUNDS rounds back to back.
+#  STEP=tune:   the tuning sweep (python -m megamoe_plugin.tune, every shape, token count and mode) into
+#               $OUT/r26/table (the shipped table is not touched).
+#  STEP=exactab: exact_ab.py under this tree and under d7f41be (.carry/r26/old.tar.gz, its cubins
+#               jit_old.tar.xz: the design contract's FP16-L1 kernel), $ROUNDS rounds alternating.
+set -u -o pipefail
+JITCACHE_TARBALL=${JITCACHE_TARBALL:-.carry/r26/jit.tar.xz}
+source tools/device_env.sh
+R="$OUT/r26"; mkdir -p "$R"
+cp .carry/r26/commit.txt "$R/commit.txt"
+rc=0
+if [[ " ${STEP} " == *" tests "* ]]; then
+  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rs --timeout 200 tests/gpu tests/test_staging.py > "$R/tests.log" 2>&1
+  rc=$?; stamp "tests rc $rc"; grep -E "^FAILED|^ERROR|passed|failed" "$R/tests.log" | tail -15
+  grep -c "megamoe: compiling" "$R/tests.log" | sed 's/^/nvcc runs during the tests: /'
+  python3 docs/results/2026-12-04-h200-r24/variants.py --jobs | bash tools/sanitizer_sweep.sh | tail -1 || rc=1
+  cp "$OUT/sanitizer.txt" "$R/" && rm "$OUT/sanitizer.txt"
+  stamp "sanitizers done"
+fi
+if [[ " ${STEP} " == *" bench "* ]]; then
+  for r in $(seq 1 "${ROUNDS:-3}"); do
+    timeout 200 python3 -m megamoe_plugin.bench --configs v3,v4flash --numerics fast,exact --baseline none \
+      > "$R/bench_$r.txt" 2> "$R/bench_$r.err"; echo "bench round $r rc $?"
+  done
+  grep -c "megamoe: compiling" "$R"/bench_*.err | sed 's/^/nvcc runs: /'
+  stamp "bench done"
+fi
+if [[ " ${STEP} " == *" tune "* ]]; then
+  timeout 400 python3 -m megamoe_plugin.tune --output-dir "$R/table" > "$R/tune.log" 2>&1; echo "tune rc $?"
+  grep -c "compiling" "$R/tune.log" | sed 's/^/tune compile lines: /'; tail -5 "$R/tune.log"
+  stamp "tune done"
+fi
+if [[ " ${STEP} " == *" exactab "* ]]; then
+  mkdir -p /tmp/tree_old /tmp/jitcache_old && tar -xzf .carry/r26/old.tar.gz -C /tmp/tree_old &&
+    tar -xJf .carry/r26/jit_old.tar.xz -C /tmp/jitcache_old &&
+    python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site_old /tmp/tree_old > /tmp/install_old.log 2>&1 ||
+    { cat /tmp/install_old.log; exit 1; }
+  script=$PWD/docs/results/2026-12-04-h200-r26/exact_ab.py
+  for r in $(seq 1 "${ROUNDS:-3}"); do
+    (cd /tmp && PYTHONPATH=/tmp/site_old:/tmp/site MEGAMOE_CACHE_DIR=/tmp/jitcache_old python3 $script --label "d7f41be r$r")
+    python3 $script --label "main r$r"
+  done 2>&1 | grep -v "^\s*$" | tee "$R/exact_ab.txt"
+  grep -c "compiling" "$R/exact_ab.txt" | sed 's/^/compile lines: /'
+  stamp "exactab done"
+fi
+tar -czf "$OUT/r26_${STEP// /_}.tgz" -C "$OUT" r26 && rm -rf "$R"
+exit $rc
