@@ -80,7 +80,7 @@ def main():
 
         t_mm = median_call_seconds(graphed(megamoe), args.iters, flush)
         t_vllm = median_call_seconds(graphed(vllm), args.iters, flush)
-        floor, _ = rank_floor([idx.cpu()], 0, 1, h, inter, Ceilings(bandwidth, fp8_rate), num_experts)
+        floor = rank_floor([idx.cpu()], 0, 1, h, inter, Ceilings(bandwidth, fp8_rate), num_experts)[0]
         print(f"{n:6d} | {t_mm * 1e6:10.1f} {t_vllm * 1e6:8.1f} {floor * 1e6:8.1f} {t_mm / floor:8.2f} "
               f"{t_vllm / t_mm:7.2f} | " + ", ".join(f"{d:.1e}/{r:.1e}" for d, r in errors), flush=True)
 
