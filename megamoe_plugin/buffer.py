@@ -17,8 +17,8 @@ Per rank, in order (every region 256-byte aligned):
               their act rows; an L2 tile of that m-block starts when all have (no grid
               barrier between L1 and L2). Zeroed by the kernel at exit.
   rows_arrived [ceil(M / MIN_BLOCK_M)] i32: per m-block of the call, how many of its rows the
-              pull has copied; an L1 tile starts when all have (fast numerics: no grid barrier
-              between the pull and L1). Zeroed by the kernel at exit.
+              pull has copied; an L1 tile starts when all have (no grid barrier between the
+              pull and L1). Zeroed by the kernel at exit.
   L1 pool     pool_x [P, H] fp8, pool_sf [H/128, P] f32 (MN-major for TMA),
               pool_weight [P] f32, pool_src [P, 2] i32 (source rank, token*K + slot)
   L2 pool     act [P, I] fp8, act_sf [I/128, P] f32

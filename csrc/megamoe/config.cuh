@@ -62,18 +62,18 @@ struct KernelConfig {
   // of the tile its half `h` covers (mma_tile, l1_epilogue, l2_epilogue).
   static constexpr int wg_first_row(int wg) { return kWgHalves == 2 ? 64 * wg : 0; }
   static constexpr int wg_weight_block(int wg, int h) { return kWgHalves == 2 ? h : wg; }
-  // L1 tiles start when the rows of their m-block are in the pool (rows_arrived, scheduler.cuh),
-  // not after a grid barrier. Exact L1's converter warps read the token scales themselves, so that
-  // mode pulls every row before a grid barrier.
-  static constexpr bool kL1TrailsPull = !kExactL1;
-  // Where L1 tiles trail the pull, every warp pulls kPullHeadRowsPerWarp rows before the GEMM
-  // phases (all of a decode call's rows) and the producer warpgroup's warps 1-3, idle in fast L1,
-  // pull the rest while the L1 tiles run (kernel.cuh); elsewhere every warp pulls every row first.
+  // L1 tiles start when the rows of their m-block are in the pool (rows_arrived, scheduler.cuh), not
+  // after a grid barrier, in both numerics (exact L1's converter warps read their token scales after
+  // the stage's full barrier, which orders them after the producer's acquire of the rows). Where
+  // kPullDuringL1, every warp pulls kPullHeadRowsPerWarp rows before the GEMM phases (all of a decode
+  // call's rows) and the producer warpgroup's warps 1-3, idle in fast L1 (exact L1's token
+  // converters), pull the rest while the L1 tiles run (kernel.cuh); elsewhere every warp pulls every
+  // row first.
   // Only where L1 has the work per pulled row to hide three warps' pull: 4 I FLOPs per byte,
   // whatever H. At I 768 (the e2e and qwen30 shapes) L1 tiles waited on the pullers, and pulling
   // every row first with all 12 warps was 14-29% faster at BLOCK_M 128 and 3-12% at 64 (2048 and
   // 8192 tokens); at I 2048 (v3, v4flash) the two were level within 1.3% (docs/results round 21).
-  static constexpr bool kPullDuringL1 = kL1TrailsPull && kInter >= 2048;
+  static constexpr bool kPullDuringL1 = !kExactL1 && kInter >= 2048;
   static constexpr int kPullHeadRowsPerWarp = 2;
   // Slots of the L2 tile queue (pipeline.cuh L2TileQueue): more than the tiles the producer can run
   // ahead of the math warpgroups (it runs at most kNumStages k-blocks ahead).

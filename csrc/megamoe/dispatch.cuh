@@ -276,8 +276,8 @@ __device__ __forceinline__ int pool_window_rows(const ExpertTables& t) {
 }
 
 // Pool rows [0, row_end) by every warp of the grid, before the GEMM phases, with the layout's
-// per-(expert, source rank) counts and offsets from shared memory. Where L1 tiles wait for their
-// rows (Cfg::kL1TrailsPull) each row is published.
+// per-(expert, source rank) counts and offsets from shared memory. Each row is published for the L1
+// tiles that wait for it (publish_pulled_row).
 template <class Cfg>
 __device__ void dispatch_pull(const KernelParams& p, uint8_t* base, const ExpertTables& t, const int* src_count,
                               const int* src_offset, int row_end) {
@@ -288,7 +288,7 @@ __device__ void dispatch_pull(const KernelParams& p, uint8_t* base, const Expert
     int j = row - t.exp_start[el], s = 0;
     while (j >= src_count[el * R + s]) j -= src_count[el * R + s++];
     pull_row<Cfg, 8, true>(p, base, row, s, src_offset[el * R + s] + j);
-    if constexpr (Cfg::kL1TrailsPull) publish_pulled_row<Cfg>(p, base, t, el, row);
+    publish_pulled_row<Cfg>(p, base, t, el, row);
   }
 }
 

@@ -93,11 +93,19 @@ __device__ void convert_l1_tokens(const KernelParams& p, const TileScheduler<Cfg
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const Tile tl = sched.decode(tile);
     const float* sfa = pool_sf + sched.tables.exp_start[tl.expert] + tl.m_block * kN;
+    const auto token_scale = [&](int kb) { return t < kN ? __ldcg(sfa + (int64_t)kb * p.pool_capacity + t) : 0.f; };
+    // The token scales are what the pull wrote (pool_sf): read only after the tile's first full
+    // barrier, which the producer arms after acquiring the tile's pulled rows (pipeline.cuh
+    // produce_tiles); from then on one k-block ahead, so that the load's latency hides under the
+    // conversion instead of coming before it.
+    float scale = 0.f;
     for (int kb = 0; kb < Cfg::kL1NumKBlocks; ++kb) {
-      const float token_scale = t < kN ? __ldcg(sfa + (int64_t)kb * p.pool_capacity + t) : 0.f;
       mbar_wait(p, &tok_empty[tok.stage], tok.phase ^ 1, kErrPipelineEmptyTimeout);
       mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
-      if (t < kN) sv.l1_token_scales[tok.stage * kN + t] = token_scale;
+      if (kb == 0) scale = token_scale(0);
+      const float next_scale = kb + 1 < Cfg::kL1NumKBlocks ? token_scale(kb + 1) : 0.f;
+      if (t < kN) sv.l1_token_scales[tok.stage * kN + t] = scale;
+      scale = next_scale;
       stage_l1_tokens<kN, Role::kNumConverterThreads>(sv.a(ps.stage), sv.staging + tok.stage * Cfg::kL1TokenBytes, t);
       cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // FP16 stores -> WGMMA reads
       cuda::ptx::mbarrier_arrive(&tok_full[tok.stage]);

@@ -10,13 +10,12 @@
 //   1 count     this rank's entries per expert                       -> grid_sync
 //   2 list      send list grouped by expert                          -> rank_sync
 //   3 layout    read peers' counts for local experts, pool layout (per CTA, smem)
-//   4 pull      copy routed tokens from their ranks into the L1 pool -> rows_arrived[m-block] in
-//                                                                       fast numerics, else grid_sync
+//   4 pull      copy routed tokens from their ranks into the L1 pool -> rows_arrived[m-block]
 //   5 L1        gate/up GEMM, SwiGLU x weight, FP8 requant -> act    -> l1_done[m-block]
 //   6 L2        down GEMM, BF16 rows scattered to the token's rank   -> rank_sync
 //   7 combine   sum each token's slots into y; reset send counters and both arrival counters
-// In fast numerics L1 tiles trail the pull: an L1 tile waits for the rows of its m-block only
-// (rows_arrived, scheduler.cuh). At I >= 2048 the grid pulls the first rows before L1 and the
+// L1 tiles trail the pull: an L1 tile waits for the rows of its m-block only (rows_arrived,
+// scheduler.cuh). In fast numerics at I >= 2048 the grid pulls the first rows before L1 and the
 // producer warpgroup's warps 1-3 the rest during it (config.cuh kPullDuringL1). L2 tiles trail
 // L1 tiles the same way (l1_done). The other phases are separated by barriers.
 // Windowed variants (config.cuh kWindowed: pools of fewer rows than the worst routing) run phases
@@ -113,7 +112,7 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
         // The routing weights load at the tile's start where Cfg::kEarlyEpilogueRows, so before
         // any of the tile's stages: the rows must have been pulled (elsewhere the stages' full
         // barriers order the epilogue's loads after the producer's wait for them).
-        if constexpr (Cfg::kL1TrailsPull && Cfg::kEarlyEpilogueRows) {
+        if constexpr (Cfg::kEarlyEpilogueRows) {
           if (!__all_sync(0xffffffffu, wait_pulled_rows<Cfg>(p, base, tables, t))) return false;
         }
         const auto weights = EpilogueRows<Cfg, false>::at_tile_start(p, base, tables, t, wg, fc);
@@ -228,16 +227,16 @@ struct CtaShared {
 };
 
 // Phases 3-6 for the pool rows of one window (windowed variants: window `w` of the call's m-blocks;
-// else all of them): the layout, the pull, both GEMM phases. Where L1 tiles wait for their own rows
-// (Cfg::kL1TrailsPull) the CTA goes on to L1 after its share of the pull; where the pull goes on
-// during L1 (Cfg::kPullDuringL1) that share is the first pull_head_rows and the producer warpgroup's
-// warps 1-3 pull the rest. With the phase stop after the pull (or in exact numerics) every row comes
-// first, then a grid barrier. False where a phase stop ended the call.
+// else all of them): the layout, the pull, both GEMM phases. L1 tiles wait for their own rows, so the
+// CTA goes on to L1 after its share of the pull; where the pull goes on during L1
+// (Cfg::kPullDuringL1) that share is the first pull_head_rows and the producer warpgroup's warps 1-3
+// pull the rest. With the phase stop after the pull every row comes first, then a grid barrier.
+// False where a phase stop ended the call.
 template <class Cfg>
 __device__ __forceinline__ bool run_pool_window(const KernelParams& p, uint8_t* base, uint32_t* signals,
                                                 const CtaShared<Cfg>& cta, int w) {
   const ExpertTables& tables = cta.tables;
-  const bool pull_all_first = !Cfg::kL1TrailsPull || p.stop_after_phase == 4;
+  const bool pull_all_first = p.stop_after_phase == 4;
   const auto window_rows = [&] {
     if constexpr (Cfg::kWindowed) return pool_window_rows<Cfg>(tables);
     return pool_rows(tables, Cfg::kNumLocalExperts);
@@ -291,7 +290,7 @@ __device__ __forceinline__ bool run_pool_window(const KernelParams& p, uint8_t* 
       });
   if (p.stop_after_phase == 5) return false;  // the caller zeroes l1_done and the send counters (tools/phase_times.py)
   if constexpr (Cfg::kRebalanceRegisters) {
-    static_assert(Cfg::kL1TrailsPull && Cfg::kEarlyEpilogueRows, "wait_pool_pulled's reason");
+    static_assert(Cfg::kEarlyEpilogueRows, "wait_pool_pulled's reason");
     wait_pool_pulled<Cfg>(p, base, tables);
   }
   gemm_roles<Cfg>(

@@ -131,7 +131,7 @@ struct L2TileQueue {
 // claims them (L2TileQueue); false after a pipeline timeout (gemm_wait).
 // A rows come from the pool (expert's rows), B rows from the weights (expert's block).
 // The A rows' token scales come with them (load_a; exact L1's converters read theirs). A tile whose
-// A rows are not ready yet (L1: not yet pulled, Cfg::kL1TrailsPull; L2: act rows not yet stored by
+// A rows are not ready yet (L1: not yet pulled; L2: act rows not yet stored by
 // L1) first streams the weights of as many k-blocks as there are stages, then
 // waits (acquire), and only then arms those stages: the math warps' wait on a stage then orders
 // their own reads of what the pull or L1 wrote (the epilogues' routing weights, destinations) after it.
@@ -168,7 +168,7 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
     const int row_a = sched.tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
     const int row_b = t.expert * kRowsPerExpert + t.n_block * Cfg::kBlockN;
     int kb = 0;
-    if constexpr (kIsL2 || Cfg::kL1TrailsPull) {
+    {
       const int gm = global_m_block<Cfg>(sched.tables, t);
       const bool ready = kIsL2 ? l1_rows_ready<Cfg>(l1_done, gm) : pulled_rows_ready<Cfg>(p, base, sched.tables, t);
       if (!ready) {

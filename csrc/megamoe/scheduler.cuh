@@ -2,7 +2,7 @@
 // tiles share the weight tile in L2 cache (L1's dealt round-robin over CTAs, L2's claimed in order,
 // pipeline.cuh L2TileQueue); the
 // pipeline position each role carries from tile to tile; the rows_arrived counters by which an L1
-// tile waits for the pull of its m-block's rows (Cfg::kL1TrailsPull); and the l1_done counters by
+// tile waits for the pull of its m-block's rows; and the l1_done counters by
 // which an L2 tile trails its m-block's L1 tiles.
 #pragma once
 
@@ -95,7 +95,7 @@ __device__ __forceinline__ bool wait_l1_rows(const KernelParams& p, const int* l
   }
 }
 
-// L1 tiles wait for the pull (Cfg::kL1TrailsPull): each pulled row adds 1 to rows_arrived[its
+// L1 tiles wait for the pull: each pulled row adds 1 to rows_arrived[its
 // m-block] (dispatch.cuh publish_pulled_row), and an L1 tile loads its A rows once all of its
 // m-block's valid rows have come. The rows past them (the next expert's, which the tile reads
 // but never stores) may still be in flight: GEMM rows are independent. The pull waits on

@@ -52,7 +52,7 @@ def _forced_tiers():
 
 
 FORCED_TIERS = _forced_tiers()
-# tests/gpu/test_forced_tiers.py's grid of a few CTAs, where most pool rows are pulled during L1.
+# tests/gpu/test_forced_tiers.py's grid of a few CTAs, where L1 tiles wait for rows other CTAs still pull.
 SMALL_GRID_SMS = 4
 # tests/gpu/test_pool_windows.py: pools of WINDOW_POOL_ROWS rows (one BLOCK_M 128 m-block), on one
 # rank (an H an odd multiple of 128; a shape whose pull goes on during L1) and on R = 2, 4, 8 ranks.
@@ -107,9 +107,8 @@ def variants():
         for numerics, block_m in FORCED_TIERS:
             out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132,
                                  forced_block_m=block_m, numerics_modes=(numerics,))
-            if numerics == "fast":
-                out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens,
-                                     SMALL_GRID_SMS, (True,), forced_block_m=block_m, numerics_modes=(numerics,))
+            out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens,
+                                 SMALL_GRID_SMS, (True,), forced_block_m=block_m, numerics_modes=(numerics,))
     for s in SHAPES:
         out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132)
     for s in WINDOW_SHAPES:

@@ -2,7 +2,7 @@
 128), forced with MEGAMOE_BLOCK_M, through the same checks as tests/gpu/test_kernel.py:
 changing token counts on one buffer, every routing (one_expert gives many token blocks per
 expert), an H that is an odd multiple of 128, clamp and fast_math, bit-identical repeats; and
-fast numerics' pull during L1 on a grid of a few CTAs."""
+L1 tiles trailing the pull (fast numerics' pull during L1) on a grid of a few CTAs."""
 import pytest
 import torch
 
@@ -61,28 +61,27 @@ def test_rebalanced_tier_with_idle_ctas(setup, monkeypatch):
     assert mismatches.item() == 0, f"{mismatches.item()} of 2000 calls differ from the first call's output"
 
 
-@pytest.mark.parametrize("block_m", [block_m for numerics, block_m in FORCED_TIERS if numerics == "fast"])
-def test_pull_during_l1_on_a_small_grid(setup, block_m, monkeypatch):
-    """In fast numerics each L1 tile waits for its own m-block's pulled rows, not for a grid barrier
-    (kernel.cuh, scheduler.cuh pulled_rows_ready). At I >= 2048 (config.cuh kPullDuringL1: here the
+@pytest.mark.parametrize("numerics, block_m", FORCED_TIERS)
+def test_l1_trails_the_pull_on_a_small_grid(setup, block_m, numerics, monkeypatch):
+    """Each L1 tile waits for its own m-block's pulled rows, not for a grid barrier (kernel.cuh,
+    scheduler.cuh pulled_rows_ready), in both numerics. On a grid of SMALL_GRID_SMS CTAs a CTA's L1
+    tiles often need rows another CTA is still pulling (one_expert routing puts them all in one
+    expert's m-blocks). In fast numerics at I >= 2048 (config.cuh kPullDuringL1: here the
     H7168-I2048 shape) the grid pulls only 24 rows per CTA before L1 and warps 1-3 of every CTA pull
-    the rest while the L1 tiles run; on a grid of SMALL_GRID_SMS CTAs most rows then come during L1,
-    and one_expert routing puts them all in one expert's m-blocks. At smaller I every warp pulls
-    every row first on both grids. On the full grid
-    every row of these shapes comes before L1, so each call must give bit for bit the full grid's
-    output (which test_forced_tier holds to the reference), with every row written. Not the
-    reference itself here: on fresh H384 inputs fast mode's per-token tail passes its 3e-2 bound
-    (docs/results round 18) on both grids alike, and that is no property of the pull."""
+    the rest while the L1 tiles run, so most rows come during L1. Each call must give bit for bit
+    the full grid's output (which test_forced_tier holds to the reference), with every row written.
+    Not the reference itself here: on fresh H384 inputs fast mode's per-token tail passes its 3e-2
+    bound (docs/results round 18) on both grids alike, and that is no property of the pull."""
     s, layer, buf = setup
     monkeypatch.setenv("MEGAMOE_BLOCK_M", str(block_m))
     storage = torch.zeros(buf.layout.total_bytes, dtype=torch.uint8, device="cuda")
     small = SymmBuffer(buf.shape, storage, 0, (storage.data_ptr(),), num_sms=SMALL_GRID_SMS)
-    assert mm.ops.select_variant(small, s.max_tokens, True, "fast").block_m == block_m
+    assert mm.ops.select_variant(small, s.max_tokens, True, numerics).block_m == block_m
     for routing in ("uniform", "one_expert", "half_empty", "masked"):
         inputs = random_inputs(s.max_tokens, s.hidden, s.local_experts, s.topk, routing, "cuda",
                                _small_grid_seeds.next_generator())
-        y_small = run(small, layer, inputs, "fast")[0]
-        y_full = run(buf, layer, inputs, "fast")[0]
-        assert torch.isfinite(y_small).all(), f"BLOCK_M {block_m}, {routing}: rows left unwritten (NaN) or Inf"
+        y_small = run(small, layer, inputs, numerics)[0]
+        y_full = run(buf, layer, inputs, numerics)[0]
+        assert torch.isfinite(y_small).all(), f"{numerics} BLOCK_M {block_m}, {routing}: rows left unwritten (NaN) or Inf"
         assert torch.equal(y_small.view(torch.int16), y_full.view(torch.int16)), (
-            f"BLOCK_M {block_m}, {routing}: {SMALL_GRID_SMS} CTAs and the full grid differ")
+            f"{numerics} BLOCK_M {block_m}, {routing}: {SMALL_GRID_SMS} CTAs and the full grid differ")

@@ -9,6 +9,9 @@
 #               $OUT/r26/table (the shipped table is not touched).
 #  STEP=exactab: exact_ab.py under this tree and under d7f41be (.carry/r26/old.tar.gz, its cubins
 #               jit_old.tar.xz: the design contract's FP16-L1 kernel), $ROUNDS rounds alternating.
+#  STEP=trailab: python -m megamoe_plugin.bench --numerics $AB_NUMERICS (default exact) under main
+#               (.carry/r26/main.tar.gz, its cubins jit.tar.xz) and under this tree ($JITCACHE_TARBALL),
+#               $ROUNDS rounds alternating: exact L1 tiles trailing the pull instead of a grid barrier.
 set -u -o pipefail
 JITCACHE_TARBALL=${JITCACHE_TARBALL:-.carry/r26/jit.tar.xz}
 source tools/device_env.sh
@@ -48,6 +51,25 @@ if [[ " ${STEP} " == *" exactab "* ]]; then
   done 2>&1 | grep -v "^\s*$" | tee "$R/exact_ab.txt"
   grep -c "compiling" "$R/exact_ab.txt" | sed 's/^/compile lines: /'
   stamp "exactab done"
+fi
+if [[ " ${STEP} " == *" trailab "* ]]; then
+  mkdir -p /tmp/tree_main /tmp/jitcache_main && tar -xzf .carry/r26/main.tar.gz -C /tmp/tree_main &&
+    tar -xJf .carry/r26/jit.tar.xz -C /tmp/jitcache_main &&
+    python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site_main /tmp/tree_main > /tmp/install_main.log 2>&1 ||
+    { cat /tmp/install_main.log; exit 1; }
+  for r in $(seq 1 "${ROUNDS:-3}"); do
+    for tree in main new; do
+      if [ $tree = main ]; then
+        (cd /tmp && PYTHONPATH=/tmp/site_main:/tmp/site MEGAMOE_CACHE_DIR=/tmp/jitcache_main timeout 200 python3 -m megamoe_plugin.bench \
+          --configs v3,v4flash --numerics "${AB_NUMERICS:-exact}" --baseline none --results /tmp/ab_results)
+      else
+        timeout 200 python3 -m megamoe_plugin.bench --configs v3,v4flash --numerics "${AB_NUMERICS:-exact}" --baseline none \
+          --results /tmp/ab_results
+      fi > "$R/trailab_${tree}_$r.txt" 2> "$R/trailab_${tree}_$r.err"; echo "trailab $tree round $r rc $?"
+    done
+  done
+  grep -c "megamoe: compiling" "$R"/trailab_*.err | sed 's/^/compile lines: /'
+  stamp "trailab done"
 fi
 tar -czf "$OUT/r26_${STEP// /_}.tgz" -C "$OUT" r26 && rm -rf "$R"
 exit $rc
