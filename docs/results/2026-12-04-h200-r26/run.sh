@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Round 26, one H200: issue 12's closing run on one commit (run in the repo root by the device tool;
-# carry .whl and .carry/r26). Cubins: .carry/r26/jit.tar.xz (every variant below, compiled on the CPU
-# machine); the commit: .carry/r26/commit.txt. Everything lands in $OUT/r26/, packed at the end.
+# carry .whl and .carry/r26; the calls ran it before install_tree became one function). Cubins:
+# .carry/r26/jit.tar.xz (every variant below, compiled on the CPU machine; $JITCACHE_TARBALL for
+# another tree's); the commit: .carry/r26/commit.txt. Everything lands in $OUT/r26/, packed at the end.
 #  STEP=tests:  the GPU suite (both numerics modes), then compute-sanitizer memcheck + racecheck of every
 #               tier (round 24's jobs: docs/results/2026-12-04-h200-r24/variants.py --jobs).
 #  STEP=bench:  python -m megamoe_plugin.bench, both configs and modes, $ROUNDS rounds back to back.
@@ -18,6 +19,14 @@ source tools/device_env.sh
 R="$OUT/r26"; mkdir -p "$R"
 cp .carry/r26/commit.txt "$R/commit.txt"
 rc=0
+# install_tree NAME: another tree (.carry/r26/NAME.tar.gz) into /tmp/site_NAME, its cubins (the tarball
+# $2) into /tmp/jitcache_NAME.
+install_tree() {
+  mkdir -p /tmp/tree_$1 /tmp/jitcache_$1 && tar -xzf .carry/r26/$1.tar.gz -C /tmp/tree_$1 &&
+    tar -xJf "$2" -C /tmp/jitcache_$1 &&
+    python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site_$1 /tmp/tree_$1 > /tmp/install_$1.log 2>&1 ||
+    { cat /tmp/install_$1.log; exit 1; }
+}
 if [[ " ${STEP} " == *" tests "* ]]; then
   timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rs --timeout 200 tests/gpu tests/test_staging.py > "$R/tests.log" 2>&1
   rc=$?; stamp "tests rc $rc"; grep -E "^FAILED|^ERROR|passed|failed" "$R/tests.log" | tail -15
@@ -40,10 +49,7 @@ if [[ " ${STEP} " == *" tune "* ]]; then
   stamp "tune done"
 fi
 if [[ " ${STEP} " == *" exactab "* ]]; then
-  mkdir -p /tmp/tree_old /tmp/jitcache_old && tar -xzf .carry/r26/old.tar.gz -C /tmp/tree_old &&
-    tar -xJf .carry/r26/jit_old.tar.xz -C /tmp/jitcache_old &&
-    python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site_old /tmp/tree_old > /tmp/install_old.log 2>&1 ||
-    { cat /tmp/install_old.log; exit 1; }
+  install_tree old .carry/r26/jit_old.tar.xz
   script=$PWD/docs/results/2026-12-04-h200-r26/exact_ab.py
   for r in $(seq 1 "${ROUNDS:-3}"); do
     (cd /tmp && PYTHONPATH=/tmp/site_old:/tmp/site MEGAMOE_CACHE_DIR=/tmp/jitcache_old python3 $script --label "d7f41be r$r")
@@ -53,10 +59,7 @@ if [[ " ${STEP} " == *" exactab "* ]]; then
   stamp "exactab done"
 fi
 if [[ " ${STEP} " == *" trailab "* ]]; then
-  mkdir -p /tmp/tree_main /tmp/jitcache_main && tar -xzf .carry/r26/main.tar.gz -C /tmp/tree_main &&
-    tar -xJf .carry/r26/jit.tar.xz -C /tmp/jitcache_main &&
-    python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site_main /tmp/tree_main > /tmp/install_main.log 2>&1 ||
-    { cat /tmp/install_main.log; exit 1; }
+  install_tree main .carry/r26/jit.tar.xz
   for r in $(seq 1 "${ROUNDS:-3}"); do
     for tree in main new; do
       if [ $tree = main ]; then
