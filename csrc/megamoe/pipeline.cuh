@@ -168,27 +168,25 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
     const int row_a = sched.tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
     const int row_b = t.expert * kRowsPerExpert + t.n_block * Cfg::kBlockN;
     int kb = 0;
-    {
-      const int gm = global_m_block<Cfg>(sched.tables, t);
-      const bool ready = kIsL2 ? l1_rows_ready<Cfg>(l1_done, gm) : pulled_rows_ready<Cfg>(p, base, sched.tables, t);
-      if (!ready) {
-        PipelineState ahead = ps;
-        for (int i = 0; i < kPrefetch; ++i) {
-          if (!gemm_wait<Cfg>(p, &empty[ahead.stage], ahead.phase ^ 1, kErrPipelineEmptyTimeout)) return false;
-          tma_load_2d(sv.b(ahead.stage), tmap_b, i * Cfg::kBlockK, row_b, &full[ahead.stage]);
-          ahead.advance<Cfg::kNumStages>();
-        }
-        const uint64_t arrival_start = timeline_clock();
-        if (!(kIsL2 ? wait_l1_rows<Cfg>(p, l1_done, gm) : wait_pulled_rows<Cfg>(p, base, sched.tables, t))) return false;
-        if constexpr (kTimeline) clock.arrival_wait += timeline_clock() - arrival_start;
-        fence_generic_to_async();
-        for (; kb < kPrefetch; ++kb) {
-          load_a<Cfg, kIsL2>(p, sv, ps.stage, tmap_a, sf_pool, kb, row_a, arm_stage<Cfg, kIsL2>(full, ps));
-          ps.advance<Cfg::kNumStages>();
-        }
-      } else {
-        fence_generic_to_async();
+    const int gm = global_m_block<Cfg>(sched.tables, t);
+    const bool ready = kIsL2 ? l1_rows_ready<Cfg>(l1_done, gm) : pulled_rows_ready<Cfg>(p, base, sched.tables, t);
+    if (!ready) {
+      PipelineState ahead = ps;
+      for (int i = 0; i < kPrefetch; ++i) {
+        if (!gemm_wait<Cfg>(p, &empty[ahead.stage], ahead.phase ^ 1, kErrPipelineEmptyTimeout)) return false;
+        tma_load_2d(sv.b(ahead.stage), tmap_b, i * Cfg::kBlockK, row_b, &full[ahead.stage]);
+        ahead.advance<Cfg::kNumStages>();
       }
+      const uint64_t arrival_start = timeline_clock();
+      if (!(kIsL2 ? wait_l1_rows<Cfg>(p, l1_done, gm) : wait_pulled_rows<Cfg>(p, base, sched.tables, t))) return false;
+      if constexpr (kTimeline) clock.arrival_wait += timeline_clock() - arrival_start;
+      fence_generic_to_async();
+      for (; kb < kPrefetch; ++kb) {
+        load_a<Cfg, kIsL2>(p, sv, ps.stage, tmap_a, sf_pool, kb, row_a, arm_stage<Cfg, kIsL2>(full, ps));
+        ps.advance<Cfg::kNumStages>();
+      }
+    } else {
+      fence_generic_to_async();
     }
     for (; kb < kNumKBlocks; ++kb) {
       const uint64_t wait_start = timeline_clock();
