@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Round 26, one H200: issue 12's closing run on one commit (run in the repo root by the device tool;
-# carry .whl and .carry/r26; the calls ran it before install_tree became one function). Cubins:
+# carry .whl and .carry/r26; the calls ran it before install_tree and in_tree became functions). Cubins:
 # .carry/r26/jit.tar.xz (every variant below, compiled on the CPU machine; $JITCACHE_TARBALL for
 # another tree's); the commit: .carry/r26/commit.txt. Everything lands in $OUT/r26/, packed at the end.
 #  STEP=tests:  the GPU suite (both numerics modes), then compute-sanitizer memcheck + racecheck of every
@@ -27,6 +27,11 @@ install_tree() {
     python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site_$1 /tmp/tree_$1 > /tmp/install_$1.log 2>&1 ||
     { cat /tmp/install_$1.log; exit 1; }
 }
+# in_tree NAME CMD...: CMD from /tmp (away from this tree's package) with tree NAME's package and cubins.
+in_tree() {
+  local name=$1; shift
+  (cd /tmp && PYTHONPATH=/tmp/site_$name:/tmp/site MEGAMOE_CACHE_DIR=/tmp/jitcache_$name "$@")
+}
 if [[ " ${STEP} " == *" tests "* ]]; then
   timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rs --timeout 200 tests/gpu tests/test_staging.py > "$R/tests.log" 2>&1
   rc=$?; stamp "tests rc $rc"; grep -E "^FAILED|^ERROR|passed|failed" "$R/tests.log" | tail -15
@@ -52,7 +57,7 @@ if [[ " ${STEP} " == *" exactab "* ]]; then
   install_tree old .carry/r26/jit_old.tar.xz
   script=$PWD/docs/results/2026-12-04-h200-r26/exact_ab.py
   for r in $(seq 1 "${ROUNDS:-3}"); do
-    (cd /tmp && PYTHONPATH=/tmp/site_old:/tmp/site MEGAMOE_CACHE_DIR=/tmp/jitcache_old python3 $script --label "d7f41be r$r")
+    in_tree old python3 $script --label "d7f41be r$r"
     python3 $script --label "main r$r"
   done 2>&1 | grep -v "^\s*$" | tee "$R/exact_ab.txt"
   grep -c "compiling" "$R/exact_ab.txt" | sed 's/^/compile lines: /'
@@ -60,16 +65,13 @@ if [[ " ${STEP} " == *" exactab "* ]]; then
 fi
 if [[ " ${STEP} " == *" trailab "* ]]; then
   install_tree main .carry/r26/jit.tar.xz
+  ab_bench() {
+    timeout 200 python3 -m megamoe_plugin.bench --configs v3,v4flash --numerics "${AB_NUMERICS:-exact}" --baseline none \
+      --results /tmp/ab_results
+  }
   for r in $(seq 1 "${ROUNDS:-3}"); do
-    for tree in main new; do
-      if [ $tree = main ]; then
-        (cd /tmp && PYTHONPATH=/tmp/site_main:/tmp/site MEGAMOE_CACHE_DIR=/tmp/jitcache_main timeout 200 python3 -m megamoe_plugin.bench \
-          --configs v3,v4flash --numerics "${AB_NUMERICS:-exact}" --baseline none --results /tmp/ab_results)
-      else
-        timeout 200 python3 -m megamoe_plugin.bench --configs v3,v4flash --numerics "${AB_NUMERICS:-exact}" --baseline none \
-          --results /tmp/ab_results
-      fi > "$R/trailab_${tree}_$r.txt" 2> "$R/trailab_${tree}_$r.err"; echo "trailab $tree round $r rc $?"
-    done
+    in_tree main ab_bench > "$R/trailab_main_$r.txt" 2> "$R/trailab_main_$r.err"; echo "trailab main round $r rc $?"
+    ab_bench > "$R/trailab_new_$r.txt" 2> "$R/trailab_new_$r.err"; echo "trailab new round $r rc $?"
   done
   grep -c "megamoe: compiling" "$R"/trailab_*.err | sed 's/^/compile lines: /'
   stamp "trailab done"
