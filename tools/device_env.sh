@@ -33,3 +33,17 @@ echo "cubins carried: $(ls "$MEGAMOE_CACHE_DIR" 2>/dev/null | grep -vc '^\.')"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 ||
   { cat "$OUT/install.log"; exit 1; }
+
+# install_tree NAME TREE_TGZ CUBINS_TXZ: another tree (a `git archive` tarball, e.g. main's for an A/B
+# run) installed into /tmp/site_NAME and its cubins (compiled on the CPU machine) into
+# /tmp/jitcache_NAME, for in_tree.
+install_tree() {
+  mkdir -p /tmp/tree_$1 /tmp/jitcache_$1 && tar -xzf "$2" -C /tmp/tree_$1 && tar -xJf "$3" -C /tmp/jitcache_$1 &&
+    python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site_$1 /tmp/tree_$1 > /tmp/install_$1.log 2>&1 ||
+    { cat /tmp/install_$1.log; return 1; }
+}
+# in_tree NAME CMD...: CMD from /tmp (away from this tree's package) with tree NAME's package and cubins.
+in_tree() {
+  local name=$1; shift
+  (cd /tmp && PYTHONPATH=/tmp/site_$name:/tmp/site MEGAMOE_CACHE_DIR=/tmp/jitcache_$name "$@")
+}

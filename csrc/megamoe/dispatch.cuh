@@ -275,21 +275,45 @@ __device__ __forceinline__ int pool_window_rows(const ExpertTables& t) {
                                                      : pool_rows(t, Cfg::kNumLocalExperts);
 }
 
+// The rows [first_row, row_end) with stride `stride` that this warp pulled, counted into
+// rows_arrived behind one fence: each lane fences its stores for the tiles' TMA, the warp barrier
+// orders them before every lane's GPU-scope fence, and lane i then counts the warp's rows i, i + 32, ...
+template <class Cfg>
+__device__ __forceinline__ void publish_pulled_rows(int* rows_arrived, const ExpertTables& t, int first_row,
+                                                    int row_end, int stride) {
+  fence_generic_to_async();
+  __syncwarp();
+  __threadfence();
+  for (int row = first_row + threadIdx.x % 32 * stride; row < row_end; row += 32 * stride) {
+    const int el = last_le(t.exp_start, Cfg::kNumLocalExperts, row);
+    red_add_relaxed_gpu(rows_arrived + t.mblk_prefix[el] + (row - t.exp_start[el]) / Cfg::kBlockM, 1);
+  }
+}
+
 // Pool rows [0, row_end) by every warp of the grid, before the GEMM phases, with the layout's
-// per-(expert, source rank) counts and offsets from shared memory. Each row is published for the L1
-// tiles that wait for it (publish_pulled_row).
+// per-(expert, source rank) counts and offsets from shared memory. The rows are published for the
+// L1 tiles that wait for them once the warp has pulled its share, behind one fence
+// (publish_pulled_rows): a fence per row makes each row's stores land before the next row's loads
+// go out, 9-13 us of v3's pull at 2048 tokens (results round 26, call 12). The CTA goes on to L1
+// after its share anyway, so other CTAs' tiles see the rows that much later at most. At BLOCK_M 128
+// (rebalanced registers) each row is published as it lands (publish_pulled_row): without a fence
+// in this loop ptxas spills a kernel-wide value there (56-60 B, results round 27).
 template <class Cfg>
 __device__ void dispatch_pull(const KernelParams& p, uint8_t* base, const ExpertTables& t, const int* src_count,
                               const int* src_offset, int row_end) {
   constexpr int R = Cfg::kNumRanks, EL = Cfg::kNumLocalExperts;
+  constexpr bool kPublishEachRow = Cfg::kRebalanceRegisters;
   const int num_warps = gridDim.x * Cfg::kNumWarps;
-  for (int row = blockIdx.x * Cfg::kNumWarps + threadIdx.x / 32; row < row_end; row += num_warps) {
+  const int first_row = blockIdx.x * Cfg::kNumWarps + threadIdx.x / 32;
+  for (int row = first_row; row < row_end; row += num_warps) {
     const int el = last_le(t.exp_start, EL, row);
     int j = row - t.exp_start[el], s = 0;
     while (j >= src_count[el * R + s]) j -= src_count[el * R + s++];
     pull_row<Cfg, 8, true>(p, base, row, s, src_offset[el * R + s] + j);
-    publish_pulled_row<Cfg>(p, base, t, el, row);
+    if constexpr (kPublishEachRow) publish_pulled_row<Cfg>(p, base, t, el, row);
   }
+  if constexpr (!kPublishEachRow)
+    publish_pulled_rows<Cfg>(reinterpret_cast<int*>(base + p.off.rows_arrived), t, first_row, row_end, num_warps);
 }
 
 // Pool rows [first_row, row_end) while the L1 tiles run (Cfg::kPullDuringL1): warp `worker` of

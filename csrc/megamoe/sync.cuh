@@ -88,6 +88,11 @@ __device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* ptr) {
   return v;
 }
 
+// After a fence (release by fence): the adds of a batch of published items share one fence.
+__device__ __forceinline__ void red_add_relaxed_gpu(int* ptr, int v) {
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ void red_add_release_gpu(int* ptr, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }

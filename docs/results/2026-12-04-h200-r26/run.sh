@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Round 26, one H200: issue 12's closing run on one commit (run in the repo root by the device tool;
-# carry .whl and .carry/r26; the calls ran it before install_tree and in_tree became functions). Cubins:
+# carry .whl and .carry/r26; the calls ran it before install_tree and in_tree became functions, since
+# round 27 tools/device_env.sh's). Cubins:
 # .carry/r26/jit.tar.xz (every variant below, compiled on the CPU machine; $JITCACHE_TARBALL for
 # another tree's); the commit: .carry/r26/commit.txt. Everything lands in $OUT/r26/, packed at the end.
 #  STEP=tests:  the GPU suite (both numerics modes), then compute-sanitizer memcheck + racecheck of every
@@ -19,19 +20,6 @@ source tools/device_env.sh
 R="$OUT/r26"; mkdir -p "$R"
 cp .carry/r26/commit.txt "$R/commit.txt"
 rc=0
-# install_tree NAME: another tree (.carry/r26/NAME.tar.gz) into /tmp/site_NAME, its cubins (the tarball
-# $2) into /tmp/jitcache_NAME.
-install_tree() {
-  mkdir -p /tmp/tree_$1 /tmp/jitcache_$1 && tar -xzf .carry/r26/$1.tar.gz -C /tmp/tree_$1 &&
-    tar -xJf "$2" -C /tmp/jitcache_$1 &&
-    python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site_$1 /tmp/tree_$1 > /tmp/install_$1.log 2>&1 ||
-    { cat /tmp/install_$1.log; exit 1; }
-}
-# in_tree NAME CMD...: CMD from /tmp (away from this tree's package) with tree NAME's package and cubins.
-in_tree() {
-  local name=$1; shift
-  (cd /tmp && PYTHONPATH=/tmp/site_$name:/tmp/site MEGAMOE_CACHE_DIR=/tmp/jitcache_$name "$@")
-}
 if [[ " ${STEP} " == *" tests "* ]]; then
   timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rs --timeout 200 tests/gpu tests/test_staging.py > "$R/tests.log" 2>&1
   rc=$?; stamp "tests rc $rc"; grep -E "^FAILED|^ERROR|passed|failed" "$R/tests.log" | tail -15
@@ -54,7 +42,7 @@ if [[ " ${STEP} " == *" tune "* ]]; then
   stamp "tune done"
 fi
 if [[ " ${STEP} " == *" exactab "* ]]; then
-  install_tree old .carry/r26/jit_old.tar.xz
+  install_tree old .carry/r26/old.tar.gz .carry/r26/jit_old.tar.xz || exit 1
   script=$PWD/docs/results/2026-12-04-h200-r26/exact_ab.py
   for r in $(seq 1 "${ROUNDS:-3}"); do
     in_tree old python3 $script --label "d7f41be r$r"
@@ -64,7 +52,7 @@ if [[ " ${STEP} " == *" exactab "* ]]; then
   stamp "exactab done"
 fi
 if [[ " ${STEP} " == *" trailab "* ]]; then
-  install_tree main .carry/r26/jit.tar.xz
+  install_tree main .carry/r26/main.tar.gz .carry/r26/jit.tar.xz || exit 1
   ab_bench() {
     timeout 200 python3 -m megamoe_plugin.bench --configs v3,v4flash --numerics "${AB_NUMERICS:-exact}" --baseline none \
       --results /tmp/ab_results
