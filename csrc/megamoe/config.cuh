@@ -108,17 +108,14 @@ struct KernelConfig {
   static constexpr int kL1TokenBytes = kExactL1 ? kBlockM * kBlockK * 2 : 0;  // exact L1's FP16 token tile
   static constexpr int kStageA = kBlockM * kBlockK;
   static constexpr int kStageB = kBlockN * kBlockK;
-  // The A rows' token scales of the k-block ride in the stage after B in the FP8 GEMMs (L2, and
-  // L1 in fast numerics; stages_token_scales): loaded by the producer with the tile (pipeline.cuh
-  // load_a), read by LDS after the full barrier instead of from L2 by every math thread in the
-  // k-block's critical path. BLOCK_M + 4 floats: the bulk copy starts at the tile's first row
-  // rounded down to 16 bytes.
+  // The A rows' token scales of the k-block ride in the stage after B, in both GEMM phases and both
+  // numerics modes: loaded by the producer with the tile (pipeline.cuh load_a), read by LDS after the
+  // full barrier instead of from L2 in the k-block's critical path (by every math thread in the FP8
+  // GEMMs, by exact L1's converter warps). BLOCK_M + 4 floats: the bulk copy starts at the tile's
+  // first row rounded down to 16 bytes.
   static constexpr int kStageScaleFloats = kBlockM + 4;
   static constexpr int kStageScaleBytes = 4 * kStageScaleFloats;
   static constexpr int kStageBytes = align_up(kStageA + kStageB + kStageScaleBytes, 1024);
-  // Whether a GEMM phase's stages carry the token scales: all but exact L1's (its converter warps
-  // read them with the tokens, exact_l1.cuh).
-  static constexpr bool stages_token_scales(bool is_l2) { return is_l2 || !kExactL1; }
   // Dispatch-phase scratch aliases the stage area: first the per-CTA expert histogram
   // and the send-side prefix over all experts, then per (local expert, source rank)
   // counts and offsets; each plus 32 ints of scan scratch.

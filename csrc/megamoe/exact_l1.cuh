@@ -87,25 +87,20 @@ __device__ void convert_l1_tokens(const KernelParams& p, const TileScheduler<Cfg
                                   uint64_t* full, uint64_t* tok_full, uint64_t* tok_empty) {
   constexpr int kN = Cfg::kBlockM;
   const int t = Role::converter_thread();
-  const float* pool_sf = reinterpret_cast<const float*>(p.peer_base[p.rank] + p.off.pool_sf);
   PipelineState ps, tok;
   const int num_tiles = sched.num_tiles();
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const Tile tl = sched.decode(tile);
-    const float* sfa = pool_sf + sched.tables.exp_start[tl.expert] + tl.m_block * kN;
-    const auto token_scale = [&](int kb) { return t < kN ? __ldcg(sfa + (int64_t)kb * p.pool_capacity + t) : 0.f; };
-    // The token scales are what the pull wrote (pool_sf): read only after the tile's first full
-    // barrier, which the producer arms after acquiring the tile's pulled rows (pipeline.cuh
-    // produce_tiles); from then on one k-block ahead, so that the load's latency hides under the
-    // conversion instead of coming before it.
-    float scale = 0.f;
+    const int row_a = sched.tables.exp_start[tl.expert] + tl.m_block * kN;
+    const int sf_skew = row_a - staged_scale_row(row_a);
     for (int kb = 0; kb < Cfg::kL1NumKBlocks; ++kb) {
       mbar_wait(p, &tok_empty[tok.stage], tok.phase ^ 1, kErrPipelineEmptyTimeout);
       mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
-      if (kb == 0) scale = token_scale(0);
-      const float next_scale = kb + 1 < Cfg::kL1NumKBlocks ? token_scale(kb + 1) : 0.f;
-      if (t < kN) sv.l1_token_scales[tok.stage * kN + t] = scale;
-      scale = next_scale;
+      // The stage's token scales came with its tokens (pipeline.cuh load_a): read from global memory
+      // after the first full barrier, their latency came once per tile before the conversion (+1.8%
+      // at v3 2048 tokens against the tree that read them at the tile's start behind a grid barrier;
+      // results round 27).
+      if (t < kN) sv.l1_token_scales[tok.stage * kN + t] = sv.a_scales(ps.stage)[sf_skew + t];
       stage_l1_tokens<kN, Role::kNumConverterThreads>(sv.a(ps.stage), sv.staging + tok.stage * Cfg::kL1TokenBytes, t);
       cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // FP16 stores -> WGMMA reads
       cuda::ptx::mbarrier_arrive(&tok_full[tok.stage]);

@@ -23,7 +23,7 @@ struct StageView {
   float* l1_token_scales;  // [2 k-block parities][BLOCK_M]: their token scales (SharedStorage::l1_token_scales)
   __device__ uint8_t* a(int s) const { return stages + s * Cfg::kStageBytes; }
   __device__ uint8_t* b(int s) const { return a(s) + Cfg::kStageA; }
-  // The A rows' token scales of stage s (Cfg::kStageScaleFloats; where stages_token_scales).
+  // The A rows' token scales of stage s (Cfg::kStageScaleFloats).
   __device__ float* a_scales(int s) const { return reinterpret_cast<float*>(b(s) + Cfg::kStageB); }
 };
 
@@ -48,25 +48,24 @@ __device__ __forceinline__ bool gemm_wait(const KernelParams& p, uint64_t* bar, 
 }
 
 // The producer's arrival on stage ps's full barrier, with the bytes one k-block of a GEMM phase
-// brings (A + B, and the token scales where the phase stages them). Loads into the stage may
-// complete before it (the barrier's tx-count goes negative meanwhile, which PTX allows): the
-// phase cannot complete while this arrival is pending.
-template <class Cfg, bool kIsL2>
+// brings (A, B and A's token scales). Loads into the stage may complete before it (the barrier's
+// tx-count goes negative meanwhile, which PTX allows): the phase cannot complete while this arrival
+// is pending.
+template <class Cfg>
 __device__ __forceinline__ uint64_t* arm_stage(uint64_t* full, const PipelineState& ps) {
   uint64_t* bar = &full[ps.stage];
-  constexpr int kScaleBytes = Cfg::stages_token_scales(kIsL2) ? Cfg::kStageScaleBytes : 0;
   cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared, bar,
-                                       Cfg::kStageA + Cfg::kStageB + kScaleBytes);
+                                       Cfg::kStageA + Cfg::kStageB + Cfg::kStageScaleBytes);
   return bar;
 }
 
 // Claims the next stage for one k-block: waits until it is empty and arms it (arm_stage); null
 // after a timeout (gemm_wait).
-template <class Cfg, bool kIsL2>
+template <class Cfg>
 __device__ __forceinline__ uint64_t* claim_stage(const KernelParams& p, uint64_t* full, uint64_t* empty,
                                                  const PipelineState& ps) {
   if (!gemm_wait<Cfg>(p, &empty[ps.stage], ps.phase ^ 1, kErrPipelineEmptyTimeout)) return nullptr;
-  return arm_stage<Cfg, kIsL2>(full, ps);
+  return arm_stage<Cfg>(full, ps);
 }
 
 // The first row of a tile's staged token scales, row_a rounded down to 16 bytes (a bulk copy's
@@ -74,18 +73,15 @@ __device__ __forceinline__ uint64_t* claim_stage(const KernelParams& p, uint64_t
 // of 128): the main loops read row_a at offset row_a - staged_scale_row(row_a).
 __device__ __forceinline__ int staged_scale_row(int row_a) { return row_a & ~3; }
 
-// Loads k-block kb of a tile's A rows (first pool row row_a) into stage s: the FP8 tile by TMA and,
-// where the phase stages them, the rows' token scales by a bulk copy from the MN-major scale pool
-// `sf_pool` ([k-block][pool row]). The copy reads up to 4 floats past the tile's last row; at the
+// Loads k-block kb of a tile's A rows (first pool row row_a) into stage s: the FP8 tile by TMA and
+// the rows' token scales by a bulk copy from the MN-major scale pool `sf_pool` ([k-block][pool row]). The copy reads up to 4 floats past the tile's last row; at the
 // last k-block of the pool that is the next region of the buffer (buffer.py BufferLayout).
-template <class Cfg, bool kIsL2>
+template <class Cfg>
 __device__ __forceinline__ void load_a(const KernelParams& p, const StageView<Cfg>& sv, int s, const CUtensorMap* tmap_a,
                                        const float* sf_pool, int kb, int row_a, uint64_t* bar) {
   tma_load_2d(sv.a(s), tmap_a, kb * Cfg::kBlockK, row_a, bar);
-  if constexpr (Cfg::stages_token_scales(kIsL2))
-    cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, sv.a_scales(s),
-                             sf_pool + (int64_t)kb * p.pool_capacity + staged_scale_row(row_a), Cfg::kStageScaleBytes,
-                             bar);
+  cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, sv.a_scales(s),
+                           sf_pool + (int64_t)kb * p.pool_capacity + staged_scale_row(row_a), Cfg::kStageScaleBytes, bar);
 }
 
 // L2 tiles are claimed, not dealt: the producer takes the next unclaimed one from the call's counter
@@ -130,7 +126,7 @@ struct L2TileQueue {
 // TMA producer for one GEMM phase: L1's tiles first_tile, first_tile + gridDim.x, ..., L2's as it
 // claims them (L2TileQueue); false after a pipeline timeout (gemm_wait).
 // A rows come from the pool (expert's rows), B rows from the weights (expert's block).
-// The A rows' token scales come with them (load_a; exact L1's converters read theirs). A tile whose
+// The A rows' token scales come with them (load_a). A tile whose
 // A rows are not ready yet (L1: not yet pulled; L2: act rows not yet stored by
 // L1) first streams the weights of as many k-blocks as there are stages, then
 // waits (acquire), and only then arms those stages: the math warps' wait on a stage then orders
@@ -182,7 +178,7 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
       if constexpr (kTimeline) clock.arrival_wait += timeline_clock() - arrival_start;
       fence_generic_to_async();
       for (; kb < kPrefetch; ++kb) {
-        load_a<Cfg, kIsL2>(p, sv, ps.stage, tmap_a, sf_pool, kb, row_a, arm_stage<Cfg, kIsL2>(full, ps));
+        load_a<Cfg>(p, sv, ps.stage, tmap_a, sf_pool, kb, row_a, arm_stage<Cfg>(full, ps));
         ps.advance<Cfg::kNumStages>();
       }
     } else {
@@ -190,12 +186,12 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
     }
     for (; kb < kNumKBlocks; ++kb) {
       const uint64_t wait_start = timeline_clock();
-      uint64_t* bar = claim_stage<Cfg, kIsL2>(p, full, empty, ps);
+      uint64_t* bar = claim_stage<Cfg>(p, full, empty, ps);
       if constexpr (kTimeline) clock.empty_wait += timeline_clock() - wait_start;
       if constexpr (Cfg::kRebalanceRegisters) {  // elsewhere claim_stage trapped already
         if (bar == nullptr) return false;
       }
-      load_a<Cfg, kIsL2>(p, sv, ps.stage, tmap_a, sf_pool, kb, row_a, bar);
+      load_a<Cfg>(p, sv, ps.stage, tmap_a, sf_pool, kb, row_a, bar);
       tma_load_2d(sv.b(ps.stage), tmap_b, kb * Cfg::kBlockK, row_b, bar);
       ps.advance<Cfg::kNumStages>();
     }

@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(Cfg::kNumThreads, 1) served(const __grid_const
               if (!gemm_wait<Cfg>(a.p, &empty[ps.stage], ps.phase ^ 1, kErrPipelineEmptyTimeout)) return false;
               cuda::ptx::mbarrier_arrive(&full[ps.stage]);
             } else {
-              uint64_t* bar = claim_stage<Cfg, false>(a.p, full, empty, ps);
+              uint64_t* bar = claim_stage<Cfg>(a.p, full, empty, ps);
               if (bar == nullptr) return false;
               if constexpr (kProducer == Producer::kBulk) {
                 const uint8_t* src = a.bulk_src + ((size_t)blockIdx.x * Cfg::kNumStages + ps.stage) * Cfg::kStageBytes;
