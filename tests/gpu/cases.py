@@ -127,6 +127,9 @@ def variants():
             out += call_variants(1, local_experts * num_ranks, topk, hidden, inter, max_tokens, 132, (True,),
                                  numerics_modes=("exact",))
     out += call_variants(2, 8, 2, 384, 256, 16, 132 // 2, (True,))  # tests/gpu/test_timeout.py
+    from .test_custom_op_gpu import E as OP_E, H as OP_H, I as OP_I, K as OP_K, MAX_TOKENS as OP_MAX_TOKENS
+
+    out += call_variants(1, OP_E, OP_K, OP_H, OP_I, OP_MAX_TOKENS, 132, (True,))
     out += call_variants(1, 16, 8, 2048, 768, 256, 132, (True,))  # tools/soak.py
     out += call_variants(1, 32, 8, 2048, 768, 513, 132, (True,))  # tests/gpu/test_batch_invariance.py
     from .test_timeline_gpu import timeline_variants
