@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# A/B benchmark on the GPU machine (after tools/device_env.sh): this tree against another one, carried
-# as a tarball of its files (git archive) with a tarball of its cubins (.tar.xz, compiled on the CPU
-# machine), `python -m megamoe_plugin.bench` rounds interleaved, then tools/ab_summary.py into $OUT/ab.txt.
+# A/B benchmark on the GPU machine: this tree against another one, carried as a tarball of its files
+# (git archive) with a tarball of its cubins (.tar.xz, compiled on the CPU machine), `python -m
+# megamoe_plugin.bench` rounds interleaved, then tools/ab_summary.py into $OUT/ab.txt.
 # Usage: tools/ab_bench.sh A_TREE.tar.gz A_CUBINS.tar.xz [A_NAME] [B_NAME]
 # Env: ROUNDS (2), BENCH_FLAGS (default: v3 and v4flash, both numerics modes, no baseline).
 set -u -o pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"  # install_tree, in_tree
 a_tree=$1 a_cubins=$2 a_name=${3:-main} b_name=${4:-new}
-mkdir -p /tmp/tree_a /tmp/jitcache_a && tar -xzf "$a_tree" -C /tmp/tree_a && tar -xJf "$a_cubins" -C /tmp/jitcache_a &&
-  python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site_a /tmp/tree_a > /tmp/install_a.log 2>&1 ||
-  { cat /tmp/install_a.log; exit 1; }
+install_tree a "$a_tree" "$a_cubins" || exit 1
 flags="${BENCH_FLAGS:---configs v3,v4flash --numerics fast,exact --baseline none}"
 for r in $(seq 1 "${ROUNDS:-2}"); do
-  (cd /tmp && PYTHONPATH=/tmp/site_a:/tmp/site MEGAMOE_CACHE_DIR=/tmp/jitcache_a timeout 150 python3 -m megamoe_plugin.bench \
-    $flags > "$OUT/bench_${a_name}_$r.txt" 2> /tmp/bench_a_$r.err); echo "bench $a_name $r rc $?"
+  in_tree a timeout 150 python3 -m megamoe_plugin.bench $flags > "$OUT/bench_${a_name}_$r.txt" 2> /tmp/bench_a_$r.err
+  echo "bench $a_name $r rc $?"
   timeout 150 python3 -m megamoe_plugin.bench $flags > "$OUT/bench_${b_name}_$r.txt" 2> /tmp/bench_b_$r.err
   echo "bench $b_name $r rc $?"
 done

@@ -1,5 +1,6 @@
 """A/B summary of `python -m megamoe_plugin.bench` runs: the median time of each (config,
-numerics, tokens) cell over the rounds of each tree, and B's change against A.
+numerics, tokens) cell over the rounds of each tree, B's change against A, and the change of B's
+fastest round against A's (a cell whose rounds are bimodal moves its median more than its fastest).
 
     python3 tools/ab_summary.py --a OUT/bench_main_*.txt --b OUT/bench_exp_*.txt [--names main,exp]
 
@@ -33,7 +34,8 @@ def summary(a, b, names=("A", "B")):
         line = f"{key[0]:8s} {key[1]:5s} {key[2]:6d}  {names[0]} {ma:8.1f} {a[key]}"
         if key in b:
             mb = statistics.median(b[key])
-            line += f"  {names[1]} {mb:8.1f} {b[key]}  {100 * (mb / ma - 1):+.1f}%"
+            line += (f"  {names[1]} {mb:8.1f} {b[key]}  {100 * (mb / ma - 1):+.1f}%"
+                     f"  fastest {100 * (min(b[key]) / min(a[key]) - 1):+.1f}%")
         lines.append(line)
     return lines
 

@@ -5,13 +5,15 @@
 # commits: .carry/r27/commit.txt. Everything lands in $OUT/r27/, packed at the end.
 #  STEP=tests:  tools/gpu_check.sh's GPU suite (both numerics modes), then compute-sanitizer memcheck +
 #               racecheck of every tier (round 24's jobs: docs/results/2026-12-04-h200-r24/variants.py --jobs).
-#  STEP=ab:     python -m megamoe_plugin.bench (v3, v4flash; $AB_NUMERICS, default both modes; $AB_TOKENS,
-#               default all) under main and under this tree, $ROUNDS rounds alternating; then (PHASES=1,
-#               the default) tools/phase_times.py in exact numerics (v3, v4flash; 128 and 2048 tokens)
-#               under both, where the pull's publication shows as layout+pull. "main" is f74a37a
+#  STEP=ab:     tools/ab_bench.sh: python -m megamoe_plugin.bench (v3, v4flash; $AB_NUMERICS, default both
+#               modes; $AB_TOKENS, default all) under the base tree and this one, $ROUNDS rounds
+#               interleaved, tools/ab_summary.py into ab.txt; then (PHASES=1, the default)
+#               tools/phase_times.py in exact numerics (v3, v4flash; 128 and 2048 tokens) under both,
+#               where the pull's publication shows as layout+pull. The base: main f74a37a
 #               (.carry/r27/main.tar.gz, jit_main.tar.xz), or with BASE=b2b round 26's 1eaabda, the
 #               back-to-back schedule (a grid barrier between the pull and exact L1; .carry/r26/main.tar.gz,
-#               jit.tar.xz): files ab_${BASE}_N.txt beside ab_new_N.txt.
+#               jit.tar.xz). Calls 2-4 ran the same benchmark commands from a loop in this file (their files
+#               are ab_{BASE,new}_N.txt, summary.txt by tools/ab_summary.py).
 set -u -o pipefail
 JITCACHE_TARBALL=.carry/r27/jit.tar.xz
 source tools/device_env.sh
@@ -30,23 +32,16 @@ fi
 if [[ " ${STEP} " == *" ab "* ]]; then
   BASE=${BASE:-main}
   case $BASE in
-    main) install_tree main .carry/r27/main.tar.gz .carry/r27/jit_main.tar.xz || exit 1 ;;
-    b2b) install_tree b2b .carry/r26/main.tar.gz .carry/r26/jit.tar.xz || exit 1 ;;
+    main) base_tree=.carry/r27/main.tar.gz base_cubins=.carry/r27/jit_main.tar.xz ;;
+    b2b) base_tree=.carry/r26/main.tar.gz base_cubins=.carry/r26/jit.tar.xz ;;
   esac
-  bench() {
-    timeout 200 python3 -m megamoe_plugin.bench --configs v3,v4flash --numerics "${AB_NUMERICS:-fast,exact}" \
-      ${AB_TOKENS:+--tokens $AB_TOKENS} --baseline none --results /tmp/ab_results
-  }
-  for r in $(seq 1 "${ROUNDS:-2}"); do
-    in_tree $BASE bench > "$R/ab_${BASE}_$r.txt" 2> "$R/ab_${BASE}_$r.err"; echo "$BASE round $r rc $?"
-    bench > "$R/ab_new_$r.txt" 2> "$R/ab_new_$r.err"; echo "new round $r rc $?"
-  done
+  OUT=$R BENCH_FLAGS="--configs v3,v4flash --numerics ${AB_NUMERICS:-fast,exact} ${AB_TOKENS:+--tokens $AB_TOKENS} --baseline none" \
+    bash tools/ab_bench.sh $base_tree $base_cubins $BASE new || exit 1
   phases() { MEGAMOE_NUMERICS=exact timeout 200 python3 tools/phase_times.py --configs v3,v4flash --tokens 128,2048; }
   for r in $(seq 1 $(( ${PHASES:-1} ? 2 : 0 ))); do
-    in_tree $BASE bash -c "cd $PWD && $(declare -f phases); phases" 2>&1 | grep total | sed "s/^/$BASE r$r: /"
+    in_tree a bash -c "cd $PWD && $(declare -f phases); phases" 2>&1 | grep total | sed "s/^/$BASE r$r: /"
     phases 2>&1 | grep total | sed "s/^/new r$r: /"
   done | tee "$R/phase_times_exact.txt"
-  grep -c "megamoe: compiling" "$R"/ab_*.err | sed 's/^/compile lines: /'
   stamp "ab done"
 fi
 tar -czf "$OUT/r27_${STEP// /_}.tgz" -C "$OUT" r27 && rm -rf "$R"
