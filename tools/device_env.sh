@@ -4,8 +4,10 @@
 #  - the carried wheels (.whl, e.g. nvidia-cutlass) installed into /tmp/site, their CUTLASS headers;
 #  - the JIT cache: MEGAMOE_CACHE_DIR if set, else the tree's .jitcache, else unpacked from
 #    $JITCACHE_TARBALL (a .tar.xz of cubins compiled on the CPU machine) into /tmp/jitcache;
-#  - the GPU's name and clocks into $OUT/gpu.txt, and this package installed in place.
-# Defines stamp(): seconds since sourcing, for the scripts' progress lines.
+#  - the GPU's name and clocks into $OUT/gpu.txt, and this package installed in place (once: a script
+#    sourcing this from one that already did, e.g. gpu_check.sh or ab_bench.sh from a round's run.sh,
+#    skips both).
+# Defines stamp(): seconds since sourcing, for the scripts' progress lines, and install_tree / in_tree.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export MEGAMOE_TIMEOUT_S="${MEGAMOE_TIMEOUT_S:-10}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -30,9 +32,12 @@ if [ -z "${MEGAMOE_CACHE_DIR:-}" ]; then
 fi
 echo "cubins carried: $(ls "$MEGAMOE_CACHE_DIR" 2>/dev/null | grep -vc '^\.')"
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 ||
-  { cat "$OUT/install.log"; exit 1; }
+if [ -z "${MEGAMOE_DEVICE_ENV_READY:-}" ]; then
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 ||
+    { cat "$OUT/install.log"; exit 1; }
+  export MEGAMOE_DEVICE_ENV_READY=1
+fi
 
 # install_tree NAME TREE_TGZ CUBINS_TXZ: another tree (a `git archive` tarball, e.g. main's for an A/B
 # run) installed into /tmp/site_NAME and its cubins (compiled on the CPU machine) into

@@ -74,8 +74,9 @@ __device__ __forceinline__ uint64_t* claim_stage(const KernelParams& p, uint64_t
 __device__ __forceinline__ int staged_scale_row(int row_a) { return row_a & ~3; }
 
 // Loads k-block kb of a tile's A rows (first pool row row_a) into stage s: the FP8 tile by TMA and
-// the rows' token scales by a bulk copy from the MN-major scale pool `sf_pool` ([k-block][pool row]). The copy reads up to 4 floats past the tile's last row; at the
-// last k-block of the pool that is the next region of the buffer (buffer.py BufferLayout).
+// the rows' token scales by a bulk copy from the MN-major scale pool `sf_pool` ([k-block][pool row]).
+// The copy reads up to 4 floats past the tile's last row; at the last k-block of the pool that is the
+// next region of the buffer (buffer.py BufferLayout).
 template <class Cfg>
 __device__ __forceinline__ void load_a(const KernelParams& p, const StageView<Cfg>& sv, int s, const CUtensorMap* tmap_a,
                                        const float* sf_pool, int kb, int row_a, uint64_t* bar) {
@@ -126,10 +127,9 @@ struct L2TileQueue {
 // TMA producer for one GEMM phase: L1's tiles first_tile, first_tile + gridDim.x, ..., L2's as it
 // claims them (L2TileQueue); false after a pipeline timeout (gemm_wait).
 // A rows come from the pool (expert's rows), B rows from the weights (expert's block).
-// The A rows' token scales come with them (load_a). A tile whose
-// A rows are not ready yet (L1: not yet pulled; L2: act rows not yet stored by
-// L1) first streams the weights of as many k-blocks as there are stages, then
-// waits (acquire), and only then arms those stages: the math warps' wait on a stage then orders
+// The A rows' token scales come with them (load_a). A tile whose A rows are not ready yet (L1: not
+// yet pulled; L2: act rows not yet stored by L1) first streams the weights of as many k-blocks as
+// there are stages, then waits (acquire), and only then arms those stages: the math warps' wait on a stage then orders
 // their own reads of what the pull or L1 wrote (the epilogues' routing weights, destinations) after it.
 template <class Cfg, bool kIsL2>
 __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileScheduler<Cfg>& sched, int first_tile,

@@ -37,6 +37,7 @@ if [[ " ${STEP} " == *" ab "* ]]; then
   esac
   OUT=$R BENCH_FLAGS="--configs v3,v4flash --numerics ${AB_NUMERICS:-fast,exact} ${AB_TOKENS:+--tokens $AB_TOKENS} --baseline none" \
     bash tools/ab_bench.sh $base_tree $base_cubins $BASE new || exit 1
+  # ab_bench.sh installed the base tree under the name `a`.
   phases() { MEGAMOE_NUMERICS=exact timeout 200 python3 tools/phase_times.py --configs v3,v4flash --tokens 128,2048; }
   for r in $(seq 1 $(( ${PHASES:-1} ? 2 : 0 ))); do
     in_tree a bash -c "cd $PWD && $(declare -f phases); phases" 2>&1 | grep total | sed "s/^/$BASE r$r: /"
