@@ -15,9 +15,10 @@
 #      MICROBENCH=1 runs tools/microbench/mainloop.cu (the served main loop alone, under producers
 #      of decreasing realism, beside the bare WGMMA stream; MICROBENCH_BIN: a binary built off the
 #      GPU, else it builds here; MICROBENCH_ARGS: tiles per CTA; each variant in its own process).
-#      SANITIZER=1 adds compute-sanitizer memcheck and racecheck of every BLOCK_M tier on a small
-#      shape, in each numerics mode (SANITIZER_NUMERICS, SANITIZER_TIERS), through
-#      tools/sanitizer_sweep.sh (several at once, on SANITIZER_SMS CTAs, default 8: fewer CTAs
+#      SANITIZER=1 adds compute-sanitizer memcheck and racecheck of every BLOCK_M tier on
+#      tests/gpu/cases.py's SANITIZER_SHAPES (small ones, pool windows among them), in each numerics
+#      mode (SANITIZER_NUMERICS, SANITIZER_TIERS: space-separated subsets), through
+#      tools/sanitizer_sweep.sh (several at once, 46 jobs in about 210 s; on 8 CTAs: fewer CTAs
 #      spinning on flags under the tools; racecheck at BLOCK_M 128 did not end in 225 s on all 132,
 #      results round 12). PRECOMPILE=1 first compiles (all CPUs) whatever the tests load that the
 #      carried cache lacks (python -m tests.gpu.cases). SOAK=1 adds tools/soak.py (SOAK_ARGS).
@@ -67,13 +68,10 @@ if [ "${MICROBENCH:-0}" != 0 ]; then
   done | awk '!seen[$0]++' | tee "$OUT/mainloop.txt"  # the device and column lines once
   if grep -q ": exit \|did not finish\|timed out" "$OUT/mainloop.txt"; then rc=1; fi
 fi
-if [ "${SANITIZER:-0}" != 0 ]; then  # one job per (mode, tool, tier) for tools/sanitizer_sweep.sh
-  for numerics in ${SANITIZER_NUMERICS:-fast exact}; do
-    tiers=$(python3 -c "from megamoe_plugin.heuristics import implemented_block_m; print(*implemented_block_m('$numerics'))")
-    for tool in memcheck racecheck; do
-      for bm in ${SANITIZER_TIERS:-$tiers}; do echo "$numerics $tool $bm 384 256 4 4 16 -"; done
-    done
-  done | bash "$(dirname "${BASH_SOURCE[0]}")/sanitizer_sweep.sh" | tail -1 || rc=1
+if [ "${SANITIZER:-0}" != 0 ]; then  # tests/gpu/cases.py's jobs (shape, mode, tool, tier) for tools/sanitizer_sweep.sh
+  numerics=${SANITIZER_NUMERICS:-} tiers=${SANITIZER_TIERS:-}
+  python3 -m tests.gpu.cases --jobs ${numerics:+--numerics ${numerics// /,}} ${tiers:+--tiers ${tiers// /,}} |
+    bash "$(dirname "${BASH_SOURCE[0]}")/sanitizer_sweep.sh" | tail -1 || rc=1
 fi
 ls "$MEGAMOE_CACHE_DIR" | grep -v "^\." | sort > "$OUT/jitcache_after.txt"
 exit $rc

@@ -1,8 +1,14 @@
-"""Shapes the single-GPU kernel tests run, and a CPU-side precompile of their variants.
+"""Shapes the single-GPU kernel tests run, and a CPU-side precompile of the variants a GPU hold loads.
 
-`python -m tests.gpu.cases` compiles every kernel variant the GPU tests will load, so
-a GPU session spends its time running, not compiling (carry MEGAMOE_CACHE_DIR along).
+`python -m tests.gpu.cases` compiles every kernel variant the GPU tests, the sanitizer runs and the
+benchmarks will load, so a GPU session spends its time running, not compiling (carry
+MEGAMOE_CACHE_DIR along, e.g. as a .tar.xz: tools/device_env.sh JITCACHE_TARBALL).
+  --bench   only `python -m megamoe_plugin.bench --configs v3,v4flash`'s (both numerics): the base
+            tree of an A/B (tools/ab_bench.sh), compiled in a checkout of that tree;
+  --jobs    print the sanitizer runs, one job per line for tools/sanitizer_sweep.sh
+            (tools/gpu_check.sh SANITIZER=1), optionally only --numerics M,... and --tiers B,...
 """
+import argparse
 import dataclasses
 import sys
 
@@ -146,7 +152,64 @@ def variants():
     return list(dict.fromkeys(out))
 
 
+# compute-sanitizer's runs: tools/debug_phases.py H I K E N on SANITIZER_SMS CTAs with each tier
+# forced, and its pool rows (None: the default pools). Each job line carries them all. Round 21's shape; one at I 2048 whose pool rows
+# outnumber those pulled before L1 (fast numerics pulls the rest during L1); and pools of 128 rows for
+# 256 entries, so that every tier runs the call in pool windows (the window kernel too).
+SANITIZER_SMS = 8  # tools/sanitizer_sweep.sh: fewer CTAs spinning on flags under the tools
+SANITIZER_SHAPES = [((384, 256, 4, 4, 16), ("fast", "exact"), None), ((384, 2048, 4, 4, 64), ("fast",), None),
+                    ((384, 256, 4, 4, 64), ("fast", "exact"), 128)]
+
+
+def sanitizer_variants():
+    from megamoe_plugin.heuristics import implemented_block_m
+
+    out = []
+    for (hidden, inter, topk, experts, tokens), modes, pool_rows in SANITIZER_SHAPES:
+        for numerics in modes:
+            for block_m in implemented_block_m(numerics):
+                out += call_variants(1, experts, topk, hidden, inter, tokens, SANITIZER_SMS, (True,),
+                                     forced_block_m=block_m, numerics_modes=(numerics,), pool_rows=pool_rows)
+    return out
+
+
+def sanitizer_jobs(numerics_modes=None, tiers=None):
+    """One line per job: numerics, tool, BLOCK_M, tools/debug_phases.py's H I K E N, pool rows or "-", CTAs."""
+    from megamoe_plugin.heuristics import implemented_block_m
+
+    for shape, modes, pool_rows in reversed(SANITIZER_SHAPES):  # the longest first
+        for numerics in modes:
+            if numerics_modes and numerics not in numerics_modes:
+                continue
+            for tool in ("racecheck", "memcheck"):
+                for block_m in implemented_block_m(numerics):
+                    if not tiers or block_m in tiers:
+                        yield " ".join(map(str, (numerics, tool, block_m, *shape, pool_rows or "-", SANITIZER_SMS)))
+
+
+def bench_variants():
+    from megamoe_plugin.configs import REFERENCE_SHAPES
+
+    out = []
+    for name in ("v3", "v4flash"):
+        ref = REFERENCE_SHAPES[name]
+        out += call_variants(1, ref.num_local_experts, ref.num_topk, ref.hidden, ref.intermediate_size, 8192, 132,
+                             (True,))
+    return list(dict.fromkeys(out))
+
+
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--jobs", action="store_true")
+    ap.add_argument("--numerics", help="with --jobs: these modes only (comma-separated)")
+    ap.add_argument("--tiers", help="with --jobs: these BLOCK_M only (comma-separated)")
+    args = ap.parse_args()
+    if args.jobs:
+        print("\n".join(sanitizer_jobs(args.numerics.split(",") if args.numerics else None,
+                                        [int(t) for t in args.tiers.split(",")] if args.tiers else None)))
+        sys.exit(0)
     from megamoe_plugin.jit import check_variants
 
-    sys.exit(1 if check_variants(variants()) else 0)
+    sys.exit(1 if check_variants(bench_variants() if args.bench else list(dict.fromkeys(variants() + sanitizer_variants())))
+             else 0)

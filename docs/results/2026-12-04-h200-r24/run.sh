@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Round 24, one H200, from call 3 on (run in the repo root by the device tool; carry .whl and .carry).
 #  STEP=tests: the GPU suite, then compute-sanitizer memcheck + racecheck of every tier on the shapes of
-#              variants.py here (tools/sanitizer_sweep.sh), pool windows among them.
+#              variants.py here (tools/sanitizer_sweep.sh), pool windows among them; since round 28
+#              tests/gpu/cases.py holds them (SANITIZER_SHAPES), and variants.py and bench_variants.py are
+#              python -m tests.gpu.cases and its --bench.
 #  STEP=ab:    main (.carry/r24/main.tar.gz and its cubins jit_main.tar.xz) against this tree
 #              (tools/ab_bench.sh; ROUNDS, BENCH_FLAGS).
 # This tree's cubins: .carry/r24/jit_new.tar.xz; the commit it is: .carry/r24/commit.txt (both written
@@ -17,7 +19,7 @@ if [[ " ${STEP} " == *" tests "* ]]; then
   stamp "tests rc $rc"; grep -E "^FAILED|^ERROR|passed|failed" /tmp/tests.log | tail -15
   grep -E "^FAILED|^ERROR|passed|failed|SKIPPED|Error|assert" /tmp/tests.log | head -60 > "$OUT/tests_summary.txt"
   grep -c "megamoe: compiling" /tmp/tests.log | sed 's/^/nvcc runs during the tests: /'
-  python3 docs/results/2026-12-04-h200-r24/variants.py --jobs | bash tools/sanitizer_sweep.sh | tail -1 || rc=1
+  python3 -m tests.gpu.cases --jobs | bash tools/sanitizer_sweep.sh | tail -1 || rc=1
   stamp "sanitizers done"
 fi
 if [[ " ${STEP} " == *" ab "* ]]; then

@@ -5,7 +5,7 @@
 # .carry/r26/jit.tar.xz (every variant below, compiled on the CPU machine; $JITCACHE_TARBALL for
 # another tree's); the commit: .carry/r26/commit.txt. Everything lands in $OUT/r26/, packed at the end.
 #  STEP=tests:  the GPU suite (both numerics modes), then compute-sanitizer memcheck + racecheck of every
-#               tier (round 24's jobs: docs/results/2026-12-04-h200-r24/variants.py --jobs).
+#               tier (round 24's jobs, now python3 -m tests.gpu.cases --jobs).
 #  STEP=bench:  python -m megamoe_plugin.bench, both configs and modes, $ROUNDS rounds back to back.
 #  STEP=tune:   the tuning sweep (python -m megamoe_plugin.tune, every shape, token count and mode) into
 #               $OUT/r26/table (the shipped table is not touched).
@@ -24,7 +24,7 @@ if [[ " ${STEP} " == *" tests "* ]]; then
   timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rs --timeout 200 tests/gpu tests/test_staging.py > "$R/tests.log" 2>&1
   rc=$?; stamp "tests rc $rc"; grep -E "^FAILED|^ERROR|passed|failed" "$R/tests.log" | tail -15
   grep -c "megamoe: compiling" "$R/tests.log" | sed 's/^/nvcc runs during the tests: /'
-  python3 docs/results/2026-12-04-h200-r24/variants.py --jobs | bash tools/sanitizer_sweep.sh | tail -1 || rc=1
+  python3 -m tests.gpu.cases --jobs | bash tools/sanitizer_sweep.sh | tail -1 || rc=1
   cp "$OUT/sanitizer.txt" "$R/" && rm "$OUT/sanitizer.txt"
   stamp "sanitizers done"
 fi

@@ -4,7 +4,7 @@
 # the CPU machine); main's tree and its benchmark cubins: .carry/r27/main.tar.gz, jit_main.tar.xz; the
 # commits: .carry/r27/commit.txt. Everything lands in $OUT/r27/, packed at the end.
 #  STEP=tests:  tools/gpu_check.sh's GPU suite (both numerics modes), then compute-sanitizer memcheck +
-#               racecheck of every tier (round 24's jobs: docs/results/2026-12-04-h200-r24/variants.py --jobs).
+#               racecheck of every tier (round 24's jobs, now python3 -m tests.gpu.cases --jobs).
 #  STEP=ab:     tools/ab_bench.sh: python -m megamoe_plugin.bench (v3, v4flash; $AB_NUMERICS, default both
 #               modes; $AB_TOKENS, default all) under the base tree and this one, $ROUNDS rounds
 #               interleaved, tools/ab_summary.py into ab.txt; then (PHASES=1, the default)
@@ -26,7 +26,7 @@ if [[ " ${STEP} " == *" tests "* ]]; then
   grep -q -E "[0-9]+ passed" "$R/tests.log" && ! grep -q -E "[0-9]+ (failed|error)" "$R/tests.log" || rc=1
   grep -c "megamoe: compiling" "$R/tests.log" | sed 's/^/nvcc runs during the tests: /'
   stamp "tests done"
-  python3 docs/results/2026-12-04-h200-r24/variants.py --jobs | OUT=$R bash tools/sanitizer_sweep.sh | tail -1 || rc=1
+  python3 -m tests.gpu.cases --jobs | OUT=$R bash tools/sanitizer_sweep.sh | tail -1 || rc=1
   stamp "sanitizers done"
 fi
 if [[ " ${STEP} " == *" ab "* ]]; then
