@@ -3,7 +3,8 @@
 #  - the NVLink-multicast switches that must stay off on these machines, unbuffered Python;
 #  - the carried wheels (.whl, e.g. nvidia-cutlass) installed into /tmp/site, their CUTLASS headers;
 #  - the JIT cache: MEGAMOE_CACHE_DIR if set, else the tree's .jitcache, else unpacked from
-#    $JITCACHE_TARBALL (a .tar.xz of cubins compiled on the CPU machine) into /tmp/jitcache;
+#    $JITCACHE_TARBALL (a .tar.xz of cubins compiled on the CPU machine) into a folder of that tarball's
+#    own, so that another tree's tarball in the same machine session is not shadowed by the first;
 #  - the GPU's name and clocks into $OUT/gpu.txt, and this package installed in place (once: a script
 #    sourcing this from one that already did, e.g. gpu_check.sh or ab_bench.sh from a round's run.sh,
 #    skips both).
@@ -24,8 +25,9 @@ fi
 
 if [ -z "${MEGAMOE_CACHE_DIR:-}" ]; then
   if [ -n "${JITCACHE_TARBALL:-}" ]; then
-    export MEGAMOE_CACHE_DIR=/tmp/jitcache
-    [ -d /tmp/jitcache ] || { mkdir -p /tmp/jitcache && tar -xJf "$JITCACHE_TARBALL" -C /tmp/jitcache; }
+    export MEGAMOE_CACHE_DIR="/tmp/jitcache_$(echo "$JITCACHE_TARBALL" | tr '/.' '__')"
+    [ -d "$MEGAMOE_CACHE_DIR" ] ||
+      { mkdir -p "$MEGAMOE_CACHE_DIR" && tar -xJf "$JITCACHE_TARBALL" -C "$MEGAMOE_CACHE_DIR"; }
   else
     export MEGAMOE_CACHE_DIR="$PWD/.jitcache"
   fi

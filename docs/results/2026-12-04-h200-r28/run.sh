@@ -18,9 +18,7 @@
 #               rounds interleaved, tools/ab_summary.py into ab.txt.
 set -u -o pipefail
 case "${TREE:-}" in combine|prefetch) ;; *) echo "TREE=combine or TREE=prefetch"; exit 2 ;; esac
-# Each branch unpacks its cubins into a folder of its own (device_env.sh unpacks only into a missing one).
-export MEGAMOE_CACHE_DIR=/tmp/jitcache_$TREE
-[ -d "$MEGAMOE_CACHE_DIR" ] || { mkdir -p "$MEGAMOE_CACHE_DIR" && tar -xJf .carry/r28/jit_$TREE.tar.xz -C "$MEGAMOE_CACHE_DIR"; }
+JITCACHE_TARBALL=.carry/r28/jit_$TREE.tar.xz  # device_env.sh unpacks each tarball into a folder of its own
 source tools/device_env.sh
 R="$OUT/r28_$TREE"; mkdir -p "$R"
 cp .carry/r28/commit.txt "$R/commit.txt"
