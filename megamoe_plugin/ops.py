@@ -259,7 +259,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def _timeline_shape(buf: SymmBuffer) -> Tuple[int, ...]:
-    return (_grid_size(buf), len(timeline.PHASES), timeline.RECORDS, timeline.WORDS)
+    return (_grid_size(buf), len(timeline.SLOTS), timeline.RECORDS, timeline.WORDS)
 
 
 def timeline_for(buf: SymmBuffer) -> torch.Tensor:

@@ -2,22 +2,26 @@
 
 A call given `_timeline=ops.timeline_for(buf)` runs its variant built with MEGAMOE_TIMELINE
 (csrc/megamoe/timeline.cuh), which writes, per CTA and GEMM phase, one producer record and
-one record per math-warpgroup tile (the layout is csrc/megamoe/params.h's; the JIT source
-static_asserts these numbers). `summarize` turns them into where a tile's time goes: the main
-loop (per k-block, and the part of it spent waiting for loaded stages), the epilogue, the gaps
-between tiles, and the phase's tail (CTAs done before the slowest one).
+one record per math-warpgroup tile, and per warp when its share of the pull ended (the layout is
+csrc/megamoe/params.h's; the JIT source static_asserts these numbers). `summarize` turns them
+into where a tile's time goes: the main loop (per k-block, and the part of it spent waiting for
+loaded stages), the epilogue, the gaps between tiles, and the phase's tail (CTAs done before the
+slowest one). `pull_scatter_lag` says whether the pull and the L2 scatter ever ran at once, over
+one rank's records or those of R ranks side by side on one GPU.
 """
 from __future__ import annotations
 
 import statistics
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 # Standard library only at import: megamoe_plugin.jit (which compiles without torch) reads the
 # layout numbers.
 MAX_TILES = 128  # params.h kTimelineMaxTiles: tiles per CTA and phase with a record
 RECORDS = 1 + 2 * MAX_TILES  # kTimelineRecords: the producer's, then 2 math warpgroups per tile
 WORDS = 7  # kTimelineWords
-PHASES = ("L1", "L2")
+PHASES = ("L1", "L2")  # the GEMM phases' slots, in order
+SLOTS = PHASES + ("pull",)  # kTimelineSlots
+PULL_SLOT = SLOTS.index("pull")  # kTimelinePullSlot: record w = warp w's pull ends (globaltimer)
 
 
 WRAP = 1 << 32  # the tile records' clocks are 32-bit
@@ -31,7 +35,7 @@ def summarize(timeline, k_blocks: Dict[str, int]) -> Dict[str, dict]:
     arrive (pulled rows in L1, L1's output in trailing L2); the SM clock (the producers' cycles per
     globaltimer ns); in us the phase's span (first producer start to last tile end) and the mean
     time a CTA sits done before the last one finishes. Phases without records are left out."""
-    t = timeline.tolist() if hasattr(timeline, "tolist") else timeline
+    t = _rows(timeline)
     out = {}
     for ph, name in enumerate(PHASES):
         mainloop, waits, epilogue, gaps, ends_ns, starts_ns, tiles = [], [], [], [], [], [], []
@@ -94,3 +98,51 @@ def format_summary(summary: Dict[str, dict]) -> List[str]:
             f"{us(s['producer_arrival_wait_cycles_per_tile']):.2f} us; span {s['span_us']:.1f} us, CTAs idle at the "
             f"end {s['tail_us_mean']:.1f} us on average; SM clock {s['clock_ghz']:.2f} GHz")
     return lines
+
+
+def _rows(timeline):
+    return timeline.tolist() if hasattr(timeline, "tolist") else timeline
+
+
+def pull_scatter_lag(timelines) -> Optional[dict]:
+    """Whether the pull and the L2 scatter ran at once, over the record arrays of one call on each
+    rank (one rank's, or R ranks' launched side by side on one GPU: one globaltimer). A rank pulls
+    its rows from every rank while the L2 epilogues store rows into every rank, so on NVLink the two
+    share each link's direction; the schedule keeps them apart if every L2 epilogue starts after
+    every warp's pull has ended. In us from the first L1 producer's start: `pull_end_us` (the last
+    warp's), `first_scatter_us` (the first L2 epilogue's start: its tile's end less its epilogue
+    cycles at its CTA's measured clock), `lag_us` (their difference: negative where they overlapped),
+    and of `l2_tiles` the number whose epilogue started before the pull's end
+    (`l2_tiles_during_pull`). None without pull or L2 records (a phase stop, or no rows)."""
+    start_ns, pull_end_ns, scatter_ns = [], [], []
+    l1, l2 = PHASES.index("L1"), PHASES.index("L2")
+    for timeline in timelines:
+        for cta in _rows(timeline):
+            l1_producer, l2_producer = cta[l1][0], cta[l2][0]
+            if l1_producer[4]:
+                start_ns.append(l1_producer[4])
+            pull_end_ns.extend(ns for warp in cta[PULL_SLOT] for ns in warp[:2] if ns)
+            _, count, clk_start, clk_end, ns_start, ns_end, _ = l2_producer
+            if count == 0 or ns_end <= ns_start:
+                continue
+            cycles_per_ns = (clk_end - clk_start) / (ns_end - ns_start)
+            for i in range(min(count, MAX_TILES)):
+                for wg in range(2):
+                    _, main_end, end, _, end_ns, _, _ = cta[l2][1 + 2 * i + wg]
+                    if end_ns:
+                        scatter_ns.append(end_ns - ((end - main_end) % WRAP) / cycles_per_ns)
+    if not (start_ns and pull_end_ns and scatter_ns):
+        return None
+    origin, pull_end = min(start_ns), max(pull_end_ns)
+    first = min(scatter_ns)
+    return {"pull_end_us": (pull_end - origin) / 1e3, "first_scatter_us": (first - origin) / 1e3,
+            "lag_us": (first - pull_end) / 1e3, "l2_tiles": len(scatter_ns),
+            "l2_tiles_during_pull": sum(ns < pull_end for ns in scatter_ns)}
+
+
+def format_lag(lag: Optional[dict]) -> str:
+    if lag is None:
+        return "pull and scatter: no records of both"
+    return (f"pull and scatter: the pull ended {lag['pull_end_us']:.1f} us after L1's start, the first L2 rows were "
+            f"scattered at {lag['first_scatter_us']:.1f} us: lag {lag['lag_us']:.1f} us; "
+            f"{lag['l2_tiles_during_pull']} of {lag['l2_tiles']} L2 tile records began their scatter during the pull")

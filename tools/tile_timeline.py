@@ -1,9 +1,12 @@
 """Where a GEMM tile's time goes: one call per (config, tokens) with per-tile clock records
 (megamoe_plugin.timeline; the variant built with MEGAMOE_TIMELINE), summarized per phase:
 main loop per tile and per k-block, the part of it waiting for loaded stages, epilogue, gaps
-between tiles, the producer's waits for free stages, and the phase's tail.
+between tiles, the producer's waits for free stages, and the phase's tail; then whether the
+pull and the L2 scatter ever ran at once (timeline.pull_scatter_lag: on NVLink both use every
+link's direction into a rank, so the schedule should keep the scatter behind the pull).
 
     python3 tools/tile_timeline.py [--configs v4flash,v3] [--tokens 128,2048,8192] [--local-experts 32]
+        [--numerics fast] [--ranks R]   (R ranks side by side on one GPU, each on its share of the SMs)
 
 The records come from a call after a warm-up call, with the L2 cache flushed before it. The
 variant is the one the call selects (MEGAMOE_BLOCK_M / MEGAMOE_NUM_STAGES apply), with the
@@ -14,30 +17,74 @@ import argparse
 import torch
 
 import megamoe_plugin as mm
+from megamoe_plugin.bench.cli import CONFIGS
 from megamoe_plugin.ops import timeline_for
-from megamoe_plugin.timeline import format_summary, summarize
+from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer
+from megamoe_plugin.timeline import format_lag, format_summary, pull_scatter_lag, summarize
 from megamoe_plugin.timing import l2_flusher
 from phase_times import add_call_arguments, calls  # tools/ is this script's folder
+
+
+def side_by_side_calls(args):
+    """As phase_times.calls, for --ranks R > 1: per (config, tokens) the R ranks' layers, buffers
+    (buffer.get_local_rank_buffers) and outputs, each rank with `tokens` tokens routed uniformly."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens_list = [int(t) for t in args.tokens.split(",")]
+    experts = args.local_experts * args.ranks
+    for name in args.configs.split(","):
+        hidden, inter, topk = CONFIGS[name]
+        layers = [random_layer(args.local_experts, hidden, inter, "cuda", gen) for _ in range(args.ranks)]
+        bufs = mm.buffer.get_local_rank_buffers(args.ranks, experts, max(tokens_list), topk, hidden, inter)
+        for n in tokens_list:
+            for buf in bufs:
+                fill_buffer(buf, random_inputs(n, hidden, experts, topk, "uniform", "cuda", gen))
+            yield name, hidden, inter, layers, bufs, [torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
+                                                      for _ in bufs]
+        del layers, bufs
+        torch.cuda.empty_cache()
+
+
+def launch(layers, bufs, ys, streams, numerics, timelines):
+    """Every rank's call on its own stream before any wait (side by side ranks must overlap), after
+    what the current stream did; the current stream then waits for them all."""
+    current = torch.cuda.current_stream()
+    for layer, buf, y, stream, timeline in zip(layers, bufs, ys, streams, timelines):
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, numerics=numerics, _timeline=timeline)
+    for stream in streams:
+        current.wait_stream(stream)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_call_arguments(parser, tokens="128,2048,8192")
+    parser.add_argument("--numerics", default="fast", choices=("fast", "exact"))
+    parser.add_argument("--ranks", type=int, default=1, help="R ranks side by side on one GPU (default 1)")
     args = parser.parse_args()
     flush = l2_flusher()
-    for name, hidden, inter, layer, buf, y in calls(args):
-        timeline = timeline_for(buf)
-        mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, _timeline=timeline)  # compiles, warms up
-        timeline.zero_()
+    if args.ranks == 1:
+        world = ((name, hidden, inter, [layer], [buf], [y]) for name, hidden, inter, layer, buf, y in calls(args))
+    else:
+        world = side_by_side_calls(args)
+    for name, hidden, inter, layers, bufs, ys in world:
+        streams = [torch.cuda.current_stream()] if len(bufs) == 1 else [torch.cuda.Stream() for _ in bufs]
+        timelines = [timeline_for(buf) for buf in bufs]
+        launch(layers, bufs, ys, streams, args.numerics, timelines)  # compiles, warms up
+        for timeline in timelines:
+            timeline.zero_()
         flush()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, _timeline=timeline)
+        launch(layers, bufs, ys, streams, args.numerics, timelines)
         end.record()
         torch.cuda.synchronize()
-        print(f"{name} n={y.shape[0]}: call {start.elapsed_time(end) * 1e3:.1f} us (with the clock reads)", flush=True)
-        for line in format_summary(summarize(timeline, {"L1": hidden // 128, "L2": inter // 128})):
-            print("  " + line, flush=True)
+        print(f"{name} {args.numerics} R={len(bufs)} n={ys[0].shape[0]} per rank: call {start.elapsed_time(end) * 1e3:.1f} us "
+              f"(with the clock reads)", flush=True)
+        for rank, timeline in enumerate(timelines):
+            for line in format_summary(summarize(timeline, {"L1": hidden // 128, "L2": inter // 128})):
+                print(f"  rank {rank} " + line if len(bufs) > 1 else "  " + line, flush=True)
+        print("  " + format_lag(pull_scatter_lag(timelines)), flush=True)
 
 
 if __name__ == "__main__":

@@ -254,6 +254,7 @@ __device__ __forceinline__ bool run_pool_window(const KernelParams& p, uint8_t* 
     dispatch_layout<Cfg>(p, tables, src_count, src_offset, scan_scratch, w == 0);
     if constexpr (Cfg::kWindowed) enter_pool_window<Cfg>(p, tables, cta.window, w);
     dispatch_pull<Cfg>(p, base, tables, src_count, src_offset, pull_head_rows());
+    record_pull_end(p, 0);
   }
   if (pull_all_first) {
     fence_generic_to_async();
@@ -277,10 +278,12 @@ __device__ __forceinline__ bool run_pool_window(const KernelParams& p, uint8_t* 
         if constexpr (Cfg::kExactL1) {
           if (Role::converter()) convert_l1_tokens<Cfg>(p, l1_sched, sv, cta.full, cta.tok_full, cta.tok_empty);
         } else if constexpr (Cfg::kPullDuringL1) {
-          if (Role::puller() && !pull_all_first)
+          if (Role::puller() && !pull_all_first) {
             pull_rows_during_l1<Cfg>(p, base, tables, pull_head_rows(), window_rows(),
                                      blockIdx.x * Role::kNumPullerWarps + Role::puller_warp(),
                                      gridDim.x * Role::kNumPullerWarps);
+            record_pull_end(p, 1);
+          }
         }
         return true;
       },

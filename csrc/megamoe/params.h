@@ -70,15 +70,20 @@ enum TensorMapIndex : int {
 
 // Debugging (tools/tile_timeline.py): the per-tile clock records that variants built with
 // MEGAMOE_TIMELINE write (timeline.cuh), laid out as
-// uint64 [CTA][phase: 0 = L1, 1 = L2][kTimelineRecords][kTimelineWords]:
+// uint64 [CTA][slot: 0 = L1, 1 = L2, 2 = pull][kTimelineRecords][kTimelineWords]. In the GEMM slots:
 //   record 0, the producer:        {empty-wait cycles, tiles, clock at start, clock at end,
 //                                   globaltimer at start, globaltimer at end, arrival-wait cycles
 //                                   (its tiles' waits for pulled rows or L1 rows, scheduler.cuh)};
 //   record 1 + 2 i + w, math warpgroup w's i-th tile (i < kTimelineMaxTiles):
 //                                  {clock at start, clock at main-loop end, clock at epilogue end,
 //                                   full-wait cycles (all four 32-bit), globaltimer at end, 0, 0}.
+// In the pull slot, record w is the CTA's warp w: {globaltimer when its share of the rows pulled
+// before L1 ended, globaltimer when its share of those pulled during L1 ended (0 where it had none),
+// 0, ...} (windowed calls: their last window's).
 // megamoe_plugin/timeline.py holds the same numbers; the JIT source static_asserts them.
 constexpr int kTimelineMaxTiles = 128;
+constexpr int kTimelineSlots = 3;
+constexpr int kTimelinePullSlot = 2;
 constexpr int kTimelineRecords = 1 + 2 * kTimelineMaxTiles;
 constexpr int kTimelineWords = 7;
 

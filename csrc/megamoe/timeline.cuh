@@ -30,8 +30,12 @@ __device__ __forceinline__ uint64_t timeline_ns() {
   return t;
 }
 
+__device__ __forceinline__ unsigned long long* timeline_record(const KernelParams& p, int slot, int record) {
+  return p.timeline + ((static_cast<int64_t>(blockIdx.x) * kTimelineSlots + slot) * kTimelineRecords + record) * kTimelineWords;
+}
+
 __device__ __forceinline__ void timeline_write(const KernelParams& p, int phase, int record, const uint64_t (&w)[kTimelineWords]) {
-  unsigned long long* dst = p.timeline + ((static_cast<int64_t>(blockIdx.x) * 2 + phase) * kTimelineRecords + record) * kTimelineWords;
+  unsigned long long* dst = timeline_record(p, phase, record);
 #pragma unroll
   for (int i = 0; i < kTimelineWords; ++i) dst[i] = w[i];
 }
@@ -70,5 +74,16 @@ struct ProducerClock {
     }
   }
 };
+
+// The calling warp's share of the pull has ended: `part` 0 for the rows pulled before L1
+// (dispatch.cuh dispatch_pull), 1 for those pulled during it (pull_rows_during_l1). Against the L2
+// tiles' records this shows whether the scatter (L2 epilogues) and the pull ever use the links at
+// once (tools/tile_timeline.py). Lane 0 of every warp, after the pull loop, outside the GEMM regions.
+__device__ __forceinline__ void record_pull_end(const KernelParams& p, int part) {
+  if constexpr (kTimeline) {
+    if (p.timeline == nullptr || threadIdx.x % 32 != 0) return;
+    timeline_record(p, kTimelinePullSlot, threadIdx.x / 32)[part] = timeline_ns();
+  }
+}
 
 }  // namespace megamoe

@@ -38,7 +38,8 @@ from typing import Callable, List, Optional, Tuple, Union
 from ..buffer import SIGNAL_WORDS, BufferShape, window_loop
 from ..heuristics import DEFAULT_NUMERICS, REBALANCED_BLOCK_M, implemented_block_m
 from ..paths import CSRC_DIR, cache_dir
-from ..timeline import MAX_TILES as TIMELINE_MAX_TILES, RECORDS as TIMELINE_RECORDS, WORDS as TIMELINE_WORDS
+from ..timeline import MAX_TILES as TIMELINE_MAX_TILES, PULL_SLOT as TIMELINE_PULL_SLOT, RECORDS as TIMELINE_RECORDS
+from ..timeline import SLOTS as TIMELINE_SLOTS, WORDS as TIMELINE_WORDS
 
 KERNEL_NAME = "megamoe_fused_kernel"
 # Windowed variants' second entry (csrc/megamoe/kernel.cuh mega_moe_windows), launched after the first.
@@ -81,7 +82,8 @@ class KernelVariant:
                                  for name, index in SIGNAL_WORDS.items())
         timeline_asserts = "".join(
             f"static_assert(megamoe::kTimeline{name} == {value}, \"megamoe_plugin.timeline\");\n"
-            for name, value in (("MaxTiles", TIMELINE_MAX_TILES), ("Records", TIMELINE_RECORDS),
+            for name, value in (("MaxTiles", TIMELINE_MAX_TILES), ("Slots", len(TIMELINE_SLOTS)),
+                                ("PullSlot", TIMELINE_PULL_SLOT), ("Records", TIMELINE_RECORDS),
                                 ("Words", TIMELINE_WORDS)))
         return (
             ("#define MEGAMOE_TIMELINE 1\n" if self.timeline else "")

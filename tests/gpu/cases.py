@@ -5,6 +5,7 @@ benchmarks will load, so a GPU session spends its time running, not compiling (c
 MEGAMOE_CACHE_DIR along, e.g. as a .tar.xz: tools/device_env.sh JITCACHE_TARBALL).
   --bench   only `python -m megamoe_plugin.bench --configs v3,v4flash`'s (both numerics): the base
             tree of an A/B (tools/ab_bench.sh), compiled in a checkout of that tree;
+  --lag     only tools/tile_timeline.py's runs of LAG_RUNS (where the pull ends and the scatter starts);
   --jobs    print the sanitizer runs, one job per line for tools/sanitizer_sweep.sh
             (tools/gpu_check.sh SANITIZER=1), optionally only --numerics M,... and --tiers B,...
 """
@@ -146,6 +147,7 @@ def variants():
         out += [dataclasses.replace(v, timeline=True)
                 for v in call_variants(1, ref.num_local_experts, ref.num_topk, ref.hidden, ref.intermediate_size, 8192,
                                        132, (True,), numerics_modes=("fast",))]
+    out += lag_variants()
     # tests/gpu/test_delayed_rank.py: two ranks of MULTI_RANK_SHAPES[1] on 132 // 2 SMs (above).
     for num_sms in (132, 124, 116):  # tools/aux_stream_stall.py
         out += call_variants(1, 32, 8, 7168, 2048, 64, num_sms, (True,))
@@ -187,6 +189,30 @@ def sanitizer_jobs(numerics_modes=None, tiers=None):
                         yield " ".join(map(str, (numerics, tool, block_m, *shape, pool_rows or "-", SANITIZER_SMS)))
 
 
+# tools/tile_timeline.py's pull / scatter lag runs: (ranks side by side on one H200, numerics), each at
+# v3 and v4flash with LAG_TOKENS tokens per rank (exact numerics pulls every row before L1, fast at
+# I >= 2048 the later rows during it: that is the one to see across ranks).
+LAG_RUNS = [(1, "fast"), (1, "exact"), (2, "fast")]
+LAG_TOKENS = (1, 128, 2048, 8192)
+
+
+def lag_variants():
+    from megamoe_plugin.bench.cli import LOCAL_EXPERTS
+    from megamoe_plugin.buffer import BufferShape
+    from megamoe_plugin.configs import REFERENCE_SHAPES
+    from megamoe_plugin.variants import variant_for
+
+    out = []
+    for num_ranks, numerics in LAG_RUNS:
+        for name in ("v3", "v4flash"):
+            ref = REFERENCE_SHAPES[name]
+            shape = BufferShape(num_ranks, LOCAL_EXPERTS * num_ranks, max(LAG_TOKENS), ref.num_topk, ref.hidden,
+                                ref.intermediate_size)
+            out += [dataclasses.replace(variant_for(shape, "NVIDIA H200", 132 // num_ranks, n, True, numerics, None),
+                                        timeline=True) for n in LAG_TOKENS]
+    return list(dict.fromkeys(out))
+
+
 def bench_variants():
     from megamoe_plugin.configs import REFERENCE_SHAPES
 
@@ -202,6 +228,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--jobs", action="store_true")
+    ap.add_argument("--lag", action="store_true")
     ap.add_argument("--numerics", help="with --jobs: these modes only (comma-separated)")
     ap.add_argument("--tiers", help="with --jobs: these BLOCK_M only (comma-separated)")
     args = ap.parse_args()
@@ -211,5 +238,6 @@ if __name__ == "__main__":
         sys.exit(0)
     from megamoe_plugin.jit import check_variants
 
-    sys.exit(1 if check_variants(bench_variants() if args.bench else list(dict.fromkeys(variants() + sanitizer_variants())))
-             else 0)
+    chosen = (bench_variants() if args.bench else lag_variants() if args.lag
+              else list(dict.fromkeys(variants() + sanitizer_variants())))
+    sys.exit(1 if check_variants(chosen) else 0)

@@ -11,6 +11,7 @@ from megamoe_plugin import ops, timeline
 from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer
 
 HIDDEN, INTER, TOPK, EXPERTS, MAX_TOKENS = 384, 256, 4, 4, 256
+NUM_WARPS = ops.NUM_THREADS // 32
 
 
 TIERS = [("fast", 8), ("fast", 64), ("fast", 128), ("exact", 8), ("exact", 64)]
@@ -63,3 +64,14 @@ def test_timeline_records_every_tile_and_changes_no_bit(monkeypatch, numerics, b
                     assert end_ns > r[cta, phase, 0, 4] and 0 <= wait <= mainloop < (end - start) % timeline.WRAP
     s = timeline.summarize(records, {"L1": HIDDEN // 128, "L2": INTER // 128})
     assert set(s) == {"L1", "L2"} and all(0.5 < p["clock_ghz"] < 3.0 for p in s.values())
+
+    # Every warp of every CTA records when its share of the pull ended, before the CTA's first L1
+    # tile ended; at I < 2048 nothing is pulled during L1 (config.cuh kPullDuringL1).
+    for cta in range(r.shape[0]):
+        pull = r[cta, timeline.PULL_SLOT]
+        assert all(pull[w, 0] > 0 for w in range(NUM_WARPS)) and not pull[:, 1:].any() and not pull[NUM_WARPS:].any()
+        if r[cta, 0, 0, 1] > 0:
+            assert int(pull[:NUM_WARPS, 0].max()) < min(int(r[cta, 0, 1 + wg, 4]) for wg in range(2))
+    lag = timeline.pull_scatter_lag([records])
+    assert lag["l2_tiles"] == 2 * expected_tiles(inputs["topk_idx"], block_m)[1]
+    assert lag["first_scatter_us"] > 0  # a CTA's L2 epilogues come after its L1 producer started
