@@ -211,6 +211,13 @@ __device__ __forceinline__ void pull_row(const KernelParams& p, uint8_t* base, i
   }
 }
 
+// The global m-block (the call's numbering: rows_arrived, l1_done) of pool row `row`, one of local
+// expert el's rows in the tables' current row frame; mblock_first_row below is its inverse.
+template <class Cfg>
+__device__ __forceinline__ int row_mblock(const ExpertTables& t, int el, int row) {
+  return t.mblk_prefix[el] + (row - t.exp_start[el]) / Cfg::kBlockM;
+}
+
 // After a warp's pull_row: counts the row into rows_arrived[its m-block] for the L1 tiles that
 // wait on it (scheduler.cuh pulled_rows_ready). Each lane fences its stores for the tiles' TMA
 // and at GPU scope; the warp barrier orders them before lane 0's release.
@@ -221,8 +228,7 @@ __device__ __forceinline__ void publish_pulled_row(const KernelParams& p, uint8_
   __threadfence();
   __syncwarp();
   if (threadIdx.x % 32 == 0) {
-    const int gm = t.mblk_prefix[el] + (row - t.exp_start[el]) / Cfg::kBlockM;
-    red_add_release_gpu(reinterpret_cast<int*>(base + p.off.rows_arrived) + gm, 1);
+    red_add_release_gpu(reinterpret_cast<int*>(base + p.off.rows_arrived) + row_mblock<Cfg>(t, el, row), 1);
   }
 }
 
@@ -286,7 +292,7 @@ __device__ __forceinline__ void publish_pulled_rows(int* rows_arrived, const Exp
   __threadfence();
   for (int row = first_row + threadIdx.x % 32 * stride; row < row_end; row += 32 * stride) {
     const int el = last_le(t.exp_start, Cfg::kNumLocalExperts, row);
-    red_add_relaxed_gpu(rows_arrived + t.mblk_prefix[el] + (row - t.exp_start[el]) / Cfg::kBlockM, 1);
+    red_add_relaxed_gpu(rows_arrived + row_mblock<Cfg>(t, el, row), 1);
   }
 }
 
