@@ -6,6 +6,7 @@ MEGAMOE_CACHE_DIR along, e.g. as a .tar.xz: tools/device_env.sh JITCACHE_TARBALL
   --bench   only `python -m megamoe_plugin.bench --configs v3,v4flash`'s (both numerics): the base
             tree of an A/B (tools/ab_bench.sh), compiled in a checkout of that tree;
   --lag     only tools/tile_timeline.py's runs of LAG_RUNS (where the pull ends and the scatter starts);
+  --x2      only what a two-GPU hold loads (torchrun: tests.gpu.multi_rank, the R = 2 benchmark);
   --jobs    print the sanitizer runs, one job per line for tools/sanitizer_sweep.sh
             (tools/gpu_check.sh SANITIZER=1), optionally only --numerics M,... and --tiers B,...
 """
@@ -108,8 +109,7 @@ def variants():
     for ref in list(REFERENCE_SHAPES.values()) + [_e2e_shape()]:
         out += call_variants(1, ref.num_local_experts, ref.num_topk, ref.hidden, ref.intermediate_size, 8192, 132,
                              (True,))
-    for hidden, inter, topk in ((7168, 2048, 8), (4096, 2048, 6)):
-        out += call_variants(2, 64, topk, hidden, inter, 8192, 132, (True,))
+    out += x2_variants()
     for s in FORCED_TIER_SHAPES:
         for numerics, block_m in FORCED_TIERS:
             out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132,
@@ -213,6 +213,19 @@ def lag_variants():
     return list(dict.fromkeys(out))
 
 
+def x2_variants():
+    """Two H200s, one process each on all 132 SMs (torchrun): tests.gpu.multi_rank (tests/gpu/test_two_gpus.py)
+    in both numerics modes, and python -m megamoe_plugin.bench at R = 2 (v3, v4flash)."""
+    from .multi_rank import MULTI_RANK_SHAPES
+
+    out = []
+    for hidden, inter, topk, local_experts, max_tokens, _ in MULTI_RANK_SHAPES:
+        out += call_variants(2, local_experts * 2, topk, hidden, inter, max_tokens, 132, (True,))
+    for hidden, inter, topk in ((7168, 2048, 8), (4096, 2048, 6)):
+        out += call_variants(2, 64, topk, hidden, inter, 8192, 132, (True,))
+    return list(dict.fromkeys(out))
+
+
 def bench_variants():
     from megamoe_plugin.configs import REFERENCE_SHAPES
 
@@ -229,6 +242,7 @@ if __name__ == "__main__":
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--jobs", action="store_true")
     ap.add_argument("--lag", action="store_true")
+    ap.add_argument("--x2", action="store_true")
     ap.add_argument("--numerics", help="with --jobs: these modes only (comma-separated)")
     ap.add_argument("--tiers", help="with --jobs: these BLOCK_M only (comma-separated)")
     args = ap.parse_args()
@@ -238,6 +252,6 @@ if __name__ == "__main__":
         sys.exit(0)
     from megamoe_plugin.jit import check_variants
 
-    chosen = (bench_variants() if args.bench else lag_variants() if args.lag
+    chosen = (bench_variants() if args.bench else lag_variants() if args.lag else x2_variants() if args.x2
               else list(dict.fromkeys(variants() + sanitizer_variants())))
     sys.exit(1 if check_variants(chosen) else 0)

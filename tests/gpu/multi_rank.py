@@ -68,8 +68,10 @@ def run_local(num_ranks, shape, numerics, seed=0):
     return results
 
 
-def main_distributed():
-    """One process per GPU (torchrun). Prints one line per (shape, step, rank)."""
+def main_distributed(repeats=1):
+    """One process per GPU (torchrun). Prints one line per (shape, step, rank). `repeats`: the
+    shape's steps that many times over on one buffer, fresh inputs each time (a cross-rank
+    ordering bug over NVLink shows in some calls only)."""
     import torch.distributed as dist
 
     dist.init_process_group("nccl")
@@ -80,7 +82,7 @@ def main_distributed():
         hidden, inter, topk, local_experts, max_tokens, steps = shape
         layers, gen = make_world(world, shape, "cuda", 1)
         buf = mm.get_symm_buffer(dist.group.WORLD, local_experts * world, max_tokens, topk, hidden, inter)
-        for step, tokens in enumerate(steps):
+        for step, tokens in enumerate(steps * repeats):
             routing = ("uniform", "masked", "half_empty", "one_expert")[step % 4]
             inputs = step_inputs(world, shape, tokens, step, routing, "cuda", gen)
             fill_buffer(buf, inputs[rank])
@@ -105,4 +107,8 @@ def main_distributed():
 
 
 if __name__ == "__main__":
-    sys.exit(1 if main_distributed() else 0)
+    import argparse
+
+    ap = argparse.ArgumentParser(description="the cross-rank protocol over NVLink, one process per GPU (torchrun)")
+    ap.add_argument("--repeats", type=int, default=1, help="run each shape's steps this many times (default 1)")
+    sys.exit(1 if main_distributed(ap.parse_args().repeats) else 0)
