@@ -62,6 +62,8 @@ def main():
     parser.add_argument("--numerics", default="fast", choices=("fast", "exact"))
     parser.add_argument("--ranks", type=int, default=1, help="R ranks side by side on one GPU (default 1)")
     args = parser.parse_args()
+    if args.ranks > 1 and args.pool_rows is not None:
+        parser.error("--pool-rows is for one rank (side by side ranks get the default pools)")
     flush = l2_flusher()
     if args.ranks == 1:
         world = ((name, hidden, inter, [layer], [buf], [y]) for name, hidden, inter, layer, buf, y in calls(args))
