@@ -7,12 +7,15 @@ link's direction into a rank, so the schedule should keep the scatter behind the
 
     python3 tools/tile_timeline.py [--configs v4flash,v3] [--tokens 128,2048,8192] [--local-experts 32]
         [--numerics fast] [--ranks R]   (R ranks side by side on one GPU, each on its share of the SMs)
+    torchrun --nproc-per-node 2 tools/tile_timeline.py ...   (one rank per GPU over NVLink; each rank
+                                                              prints its own records, lag on its own clock)
 
 The records come from a call after a warm-up call, with the L2 cache flushed before it. The
 variant is the one the call selects (MEGAMOE_BLOCK_M / MEGAMOE_NUM_STAGES apply), with the
 clock reads added: compare its total time with tools/phase_times.py's to see what they cost.
 """
 import argparse
+import os
 
 import torch
 
@@ -44,6 +47,24 @@ def side_by_side_calls(args):
         torch.cuda.empty_cache()
 
 
+def distributed_calls(args, dist):
+    """Under torchrun (WORLD_SIZE > 1): this process's rank, one per GPU, on a symmetric buffer of
+    the group (NVLink); every rank has `tokens` tokens routed uniformly over all ranks' experts."""
+    world = dist.get_world_size()
+    gen = torch.Generator(device="cuda").manual_seed(dist.get_rank())
+    tokens_list = [int(t) for t in args.tokens.split(",")]
+    experts = args.local_experts * world
+    for name in args.configs.split(","):
+        hidden, inter, topk = CONFIGS[name]
+        layer = random_layer(args.local_experts, hidden, inter, "cuda", gen)
+        buf = mm.get_symm_buffer(dist.group.WORLD, experts, max(tokens_list), topk, hidden, inter)
+        for n in tokens_list:
+            fill_buffer(buf, random_inputs(n, hidden, experts, topk, "uniform", "cuda", gen))
+            yield name, hidden, inter, [layer], [buf], [torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")]
+        del layer, buf
+        torch.cuda.empty_cache()
+
+
 def launch(layers, bufs, ys, streams, numerics, timelines):
     """Every rank's call on its own stream before any wait (side by side ranks must overlap), after
     what the current stream did; the current stream then waits for them all."""
@@ -64,8 +85,19 @@ def main():
     args = parser.parse_args()
     if args.ranks > 1 and args.pool_rows is not None:
         parser.error("--pool-rows is for one rank (side by side ranks get the default pools)")
+    dist, label = None, ""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one rank per GPU
+        if args.ranks > 1 or args.pool_rows is not None:
+            parser.error("under torchrun each process is one rank: no --ranks, no --pool-rows")
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+        label = f"[rank {dist.get_rank()}/{dist.get_world_size()}] "
     flush = l2_flusher()
-    if args.ranks == 1:
+    if dist is not None:
+        world = distributed_calls(args, dist)
+    elif args.ranks == 1:
         world = ((name, hidden, inter, [layer], [buf], [y]) for name, hidden, inter, layer, buf, y in calls(args))
     else:
         world = side_by_side_calls(args)
@@ -76,17 +108,23 @@ def main():
         for timeline in timelines:
             timeline.zero_()
         flush()
+        if dist is not None:  # the ranks start the timed call together
+            torch.cuda.synchronize()
+            dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         launch(layers, bufs, ys, streams, args.numerics, timelines)
         end.record()
         torch.cuda.synchronize()
-        print(f"{name} {args.numerics} R={len(bufs)} n={ys[0].shape[0]} per rank: call {start.elapsed_time(end) * 1e3:.1f} us "
-              f"(with the clock reads)", flush=True)
+        ranks = dist.get_world_size() if dist is not None else len(bufs)
+        print(f"{label}{name} {args.numerics} R={ranks} n={ys[0].shape[0]} per rank: call "
+              f"{start.elapsed_time(end) * 1e3:.1f} us (with the clock reads)", flush=True)
         for rank, timeline in enumerate(timelines):
             for line in format_summary(summarize(timeline, {"L1": hidden // 128, "L2": inter // 128})):
-                print(f"  rank {rank} " + line if len(bufs) > 1 else "  " + line, flush=True)
-        print("  " + format_lag(pull_scatter_lag(timelines)), flush=True)
+                print(f"{label}  rank {rank} " + line if len(bufs) > 1 else f"{label}  " + line, flush=True)
+        print(f"{label}  " + format_lag(pull_scatter_lag(timelines)), flush=True)
+    if dist is not None:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -215,14 +215,24 @@ def lag_variants():
 
 def x2_variants():
     """Two H200s, one process each on all 132 SMs (torchrun): tests.gpu.multi_rank (tests/gpu/test_two_gpus.py)
-    in both numerics modes, and python -m megamoe_plugin.bench at R = 2 (v3, v4flash)."""
+    in both numerics modes, python -m megamoe_plugin.bench at R = 2 (v3, v4flash), and
+    tools/tile_timeline.py's lag at LAG_TOKENS in fast numerics."""
+    from megamoe_plugin.bench.cli import LOCAL_EXPERTS
+    from megamoe_plugin.buffer import BufferShape
+    from megamoe_plugin.configs import REFERENCE_SHAPES
+    from megamoe_plugin.variants import variant_for
+
     from .multi_rank import MULTI_RANK_SHAPES
 
     out = []
     for hidden, inter, topk, local_experts, max_tokens, _ in MULTI_RANK_SHAPES:
         out += call_variants(2, local_experts * 2, topk, hidden, inter, max_tokens, 132, (True,))
-    for hidden, inter, topk in ((7168, 2048, 8), (4096, 2048, 6)):
-        out += call_variants(2, 64, topk, hidden, inter, 8192, 132, (True,))
+    for name in ("v3", "v4flash"):
+        ref = REFERENCE_SHAPES[name]
+        out += call_variants(2, 2 * LOCAL_EXPERTS, ref.num_topk, ref.hidden, ref.intermediate_size, 8192, 132, (True,))
+        shape = BufferShape(2, 2 * LOCAL_EXPERTS, max(LAG_TOKENS), ref.num_topk, ref.hidden, ref.intermediate_size)
+        out += [dataclasses.replace(variant_for(shape, "NVIDIA H200", 132, n, True, "fast", None), timeline=True)
+                for n in LAG_TOKENS]
     return list(dict.fromkeys(out))
 
 

@@ -8,10 +8,15 @@
 #  STEP=tests: torchrun -m tests.gpu.multi_rank (both numerics, two shapes, every routing, judged
 #              against the float32 reference) with its steps $REPEATS times over (default 25: 100
 #              calls per shape and mode on one buffer, fresh inputs each), then tests/gpu/test_two_gpus.py.
+#  STEP=lag:   torchrun tools/tile_timeline.py (v3, v4flash at LAG_TOKENS per rank, fast numerics: the later
+#              rows are pulled during L1): per rank, whether an L2 epilogue scattered before its pull
+#              ended, and how long its L1 tiles waited for pulled rows, over real NVLink (round 29's
+#              lag.sh runs the same on one GPU).
 #  STEP=ab:    (TREE=combine) tools/ab_bench.sh under torchrun: python -m megamoe_plugin.bench at R = 2
 #              (v3, v4flash, $AB_NUMERICS default both, $AB_TOKENS default all), main against the branch,
 #              $ROUNDS (default 2) rounds interleaved; the table has each rank's NVLink MB and the NVLink floor.
-# Carry .whl and .carry/r29: jit_x2_$TREE.tar.xz (python -m tests.gpu.cases --x2 in TREE's checkout),
+# Carry .whl and .carry/r29: jit_x2_$TREE.tar.xz (python -m tests.gpu.cases --x2 in TREE's checkout: the
+# tests', the benchmark's and the lag's variants),
 # for STEP=ab also main.tar.gz (git archive of main) and jit_x2_main.tar.xz; commit.txt.
 # Output in $OUT/r29_x2_$TREE/, packed at the end.
 set -u -o pipefail
@@ -31,6 +36,13 @@ if [[ " ${STEP} " == *" tests "* ]]; then
   tail -2 "$R/test_two_gpus.txt"
   grep -c "megamoe: compiling" "$R/multi_rank.err" | sed 's/^/nvcc runs: /'
   stamp "tests done"
+fi
+if [[ " ${STEP} " == *" lag "* ]]; then
+  tokens=$(python3 -c 'from tests.gpu.cases import LAG_TOKENS; print(",".join(map(str, LAG_TOKENS)))')
+  timeout 300 python3 -m torch.distributed.run --nproc-per-node 2 tools/tile_timeline.py --configs v3,v4flash \
+    --tokens "$tokens" --numerics fast > "$R/lag_x2_fast.txt" 2>&1 || rc=1
+  grep -E "per rank: call|pull and scatter" "$R/lag_x2_fast.txt"
+  stamp "lag done"
 fi
 if [[ " ${STEP} " == *" ab "* ]]; then
   OUT=$R ROUNDS=${ROUNDS:-2} BENCH_RUN_TIMEOUT=240 \
