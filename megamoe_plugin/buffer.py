@@ -8,22 +8,28 @@ never disagree about where anything lives.
 Per rank, in order (every region 256-byte aligned):
   inputs      x [N, H] fp8, x_sf [N, H/128] f32, topk_idx [N, K] i64, topk_weights [N, K] f32
               (filled by the caller for the first n tokens; peers read them over NVLink)
-  send side   send_count / send_cursor / send_offset [E] i32, send_list [N*K] i32:
+  send side   send_count / send_cursor / send_offset [2, E] i32, send_list [N*K] i32:
               this rank's (token, slot) entries grouped by global expert, which the
-              expert's owner pulls. Counts and cursors are zeroed by the kernel at exit.
+              expert's owner pulls. A call uses half (its cross-rank barrier's round) & 1 of the
+              first three; a peer reads that half until it ends the call, and the next call zeroes
+              its counts and cursors after its own cross-rank barrier.
   signals     barrier state that lives across calls (SIGNAL_WORDS, u32 each; wrap-safe,
-              csrc/megamoe/sync.cuh), and the call's count of claimed L2 tiles (zeroed at exit)
+              csrc/megamoe/sync.cuh), the call's count of claimed L2 tiles, and what the next
+              call zeroes first (the last call's m-blocks and tokens)
   l1_done     [ceil(M / MIN_BLOCK_M)] i32: per m-block of the call, how many L1 tiles have stored
               their act rows; an L2 tile of that m-block starts when all have (no grid
-              barrier between L1 and L2). Zeroed by the kernel at exit.
+              barrier between L1 and L2). Zeroed by the next call.
   rows_arrived [ceil(M / MIN_BLOCK_M)] i32: per m-block of the call, how many of its rows the
               pull has copied; an L1 tile starts when all have (no grid barrier between the
-              pull and L1). Zeroed by the kernel at exit.
+              pull and L1). Zeroed by the next call.
   L1 pool     pool_x [P, H] fp8, pool_sf [H/128, P] f32 (MN-major for TMA),
               pool_weight [P] f32, pool_src [P, 2] i32 (source rank, token*K + slot)
   L2 pool     act [P, I] fp8, act_sf [I/128, P] f32
   combine     combine [N, K, H] bf16: expert outputs scattered here by whichever rank
               computed them, summed over k by the owner of the token.
+  combine_arrived [N] i32: per token, the L2 tiles that have stored one of its rows here (each
+              slot's row comes in H / 256 column blocks); the token is combined when all have
+              (no cross-rank barrier before the combine). Zeroed by the next call.
 M (max_pool_rows) bounds every routing: all R*N*K entries plus per-expert padding to
 POOL_ALIGN_M rows. P (pool_capacity) is what the pools hold: by default a balanced routing's rows
 and half as many again (POOL_ROWS_PER_OWN_ENTRY), at most M. Where P < M (BufferShape.windowed) a
@@ -55,8 +61,10 @@ SIGNAL_WORDS = {
     "grid_generation": 1,    # grid barriers completed, mod 2^32
     "rank_barrier": 2,       # arrivals of all ranks at this rank's cross-rank barrier, mod 2^32
     "rank_barrier_done": 3,  # cross-rank barriers completed, mod 2^32 (rank_barrier = done * R)
-    "l2_tiles_claimed": 4,   # L2 tiles claimed in the call; zeroed by the kernel at exit
-    "windows_pending": 5,    # a call's pool windows while its later ones wait for the window kernel; else 0
+    "l2_tiles_claimed": 4,   # L2 tiles claimed in the call; zeroed at the next call's start
+    "windows_pending": 5,    # a call's pool windows while its later ones wait for the window kernel
+    "mblocks_to_clear": 6,   # the last call's m-blocks, whose counters the next call zeroes first
+    "tokens_to_clear": 7,    # the last call's tokens, whose combine_arrived the next call zeroes first
 }
 # The pools' default rows, as a multiple of the entries one rank's own tokens make (N * K), plus
 # the per-expert padding: the rows of a balanced routing at any EP width and half as many again.
@@ -204,9 +212,9 @@ class BufferLayout:
             ("x_sf", (n, h // 128), torch.float32),
             ("topk_idx", (n, k), torch.int64),
             ("topk_weights", (n, k), torch.float32),
-            ("send_count", (e,), torch.int32),
-            ("send_cursor", (e,), torch.int32),
-            ("send_offset", (e,), torch.int32),
+            ("send_count", (2, e), torch.int32),
+            ("send_cursor", (2, e), torch.int32),
+            ("send_offset", (2, e), torch.int32),
             ("send_list", (n * k,), torch.int32),
             ("signals", (NUM_SIGNAL_WORDS,), torch.int32),
             # One counter per m-block of the smallest BLOCK_M tier: max_pool_rows >= every entry plus
@@ -220,6 +228,7 @@ class BufferLayout:
             ("act", (p, i), torch.float8_e4m3fn),
             ("act_sf", (i // 128, p), torch.float32),
             ("combine", (n, k, h), torch.bfloat16),
+            ("combine_arrived", (n,), torch.int32),
         ]
         self.regions: Dict[str, Region] = {}
         offset = 0

@@ -43,6 +43,7 @@ _ERROR_NAMES = {
     4: "TMA pipeline 'empty' barrier (math warpgroups stopped consuming)",
     5: "L1 rows of an m-block (an L2 tile waited for the L1 tiles that write its act rows)",
     6: "pulled rows of an m-block (an L1 tile waited for the pull of its tokens into the pool)",
+    7: "rows of a token to combine (the combine waited for the L2 tiles, on any rank, that compute them)",
 }
 # Where HostWords::error keeps the rank and the kernel tag (csrc/megamoe/params.h).
 _ERROR_RANK_SHIFT = 8

@@ -76,20 +76,6 @@ def random_inputs(num_tokens: int, hidden: int, num_experts: int, num_topk: int,
     return dict(x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights.float(), hidden_states=hidden_states)
 
 
-# Counters a call zeroes at its end, so one stopped early (_stop_after_phase) leaves them set.
-SELF_CLEANING_REGIONS = ("send_count", "send_cursor", "l1_done", "rows_arrived")
-
-
-def reset_after_stopped_call(buf) -> None:
-    """Zeroes what a call stopped with _stop_after_phase left for the next call to trip on."""
-    from .buffer import SIGNAL_WORDS
-
-    for name in SELF_CLEANING_REGIONS:
-        buf.view(name).zero_()
-    for word in ("l2_tiles_claimed", "windows_pending"):
-        buf.view("signals")[SIGNAL_WORDS[word]] = 0
-
-
 def set_barrier_state(bufs, grid_generation: int, rank_rounds_done: int) -> None:
     """Puts the barrier state that lives across calls (buffer.SIGNAL_WORDS) of every rank's
     buffer at the given counts (mod 2^32), as if that many barriers had run: a test starts it

@@ -43,11 +43,12 @@ struct KernelConfig {
   static constexpr int kWgHalves = kBlockM == 128 ? 2 : 1;
   static constexpr bool kRebalanceRegisters = kBlockM == 128;
   static constexpr int kEntryRegisters = 168;  // 65536 / 384, in setmaxnreg's steps of 8
-  // 232 x 256 + 40 x 128 = 168 x 384, the CTA's registers at launch: setmaxnreg moves registers
-  // within that pool, and a larger sum leaves the math warps' increase waiting forever (48 here
-  // hung every BLOCK_M 128 call). The math warpgroups spill below 232.
-  static constexpr int kMathRegisters = 232;
-  static constexpr int kProducerRegisters = 40;
+  // 224 x 256 + 56 x 128 = 168 x 384, the CTA's registers at launch: setmaxnreg moves registers
+  // within that pool, and a larger sum leaves the math warps' increase waiting forever (232 + 48
+  // hung every BLOCK_M 128 call). Since the producer warpgroup's warp 1 counts the L2 tiles' rows
+  // for the combine (combine.cuh signal_l2_rows), 232 + 40 spilled 90-216 B; 224 + 56 none.
+  static constexpr int kMathRegisters = 224;
+  static constexpr int kProducerRegisters = 56;
   // The epilogues' per-row loads go out before the main loop where the registers allow
   // (epilogue.cuh EpilogueRows): at BLOCK_M 128. At BLOCK_M 64, L2's four values live across the
   // main loop made ptxas spill (12 bytes in fast numerics, 32 in exact with fast_math=False).

@@ -55,15 +55,24 @@ __device__ int block_exclusive_scan(int* data, int n, int* scratch) {
 
 __device__ __forceinline__ bool is_valid_expert(int64_t e, int num_experts) { return e >= 0 && e < num_experts; }
 
+// The send side's counts, cursors and offsets are [2, E] (params.h BufferOffsets): a call uses half
+// `half` (kernel.cuh CtaShared::send_half). A peer reads a call's half until it ends that call. The
+// next call fills the other half, and zeroes this one's counts and cursors only after its cross-rank
+// barrier, which no rank passes before it has ended this call (combine.cuh clear_other_send_half).
+template <class Cfg>
+__device__ __forceinline__ int* send_side(const uint8_t* rank_base, int64_t region, int half) {
+  return const_cast<int*>(reinterpret_cast<const int*>(rank_base + region)) + half * Cfg::kNumExperts;
+}
+
 // Send side, step 1: count this rank's entries per global expert. Each CTA first
 // histograms its share of the entries in shared memory (`local_count`, kept for step 2),
 // so the global counters take one atomic per (CTA, expert) instead of one per entry.
 // An expert id outside [-1, E) is dropped like a masked slot and counted into
 // HostWords::bad_expert_ids (the host reports it).
 template <class Cfg>
-__device__ void dispatch_count(const KernelParams& p, uint8_t* base, int* local_count) {
+__device__ void dispatch_count(const KernelParams& p, uint8_t* base, int* local_count, int half) {
   const int64_t* topk_idx = reinterpret_cast<const int64_t*>(base + p.off.topk_idx);
-  int* send_count = reinterpret_cast<int*>(base + p.off.send_count);
+  int* send_count = send_side<Cfg>(base, p.off.send_count, half);
   for (int e = threadIdx.x; e < Cfg::kNumExperts; e += blockDim.x) local_count[e] = 0;
   __syncthreads();
   const int num_entries = p.num_tokens * Cfg::kTopk;
@@ -94,11 +103,11 @@ __device__ void dispatch_count(const KernelParams& p, uint8_t* base, int* local_
 // grid-stride share), then fills it through shared-memory cursors.
 // `scratch` is shared memory for kNumExperts + 32 ints besides `local_count`.
 template <class Cfg>
-__device__ void dispatch_list(const KernelParams& p, uint8_t* base, int* local_count, int* scratch) {
+__device__ void dispatch_list(const KernelParams& p, uint8_t* base, int* local_count, int* scratch, int half) {
   const int64_t* topk_idx = reinterpret_cast<const int64_t*>(base + p.off.topk_idx);
-  int* send_count = reinterpret_cast<int*>(base + p.off.send_count);
-  int* send_cursor = reinterpret_cast<int*>(base + p.off.send_cursor);
-  int* send_offset = reinterpret_cast<int*>(base + p.off.send_offset);
+  int* send_count = send_side<Cfg>(base, p.off.send_count, half);
+  int* send_cursor = send_side<Cfg>(base, p.off.send_cursor, half);
+  int* send_offset = send_side<Cfg>(base, p.off.send_offset, half);
   int* send_list = reinterpret_cast<int*>(base + p.off.send_list);
 
   int* offsets = scratch;
@@ -142,14 +151,14 @@ struct ExpertTables {
 // recv_stats (once per call: the window kernel lays the pool out again for each window).
 template <class Cfg>
 __device__ void dispatch_layout(const KernelParams& p, const ExpertTables& t, int* src_count, int* src_offset,
-                                int* scan_scratch, bool count_stats) {
+                                int* scan_scratch, bool count_stats, int half) {
   constexpr int R = Cfg::kNumRanks, EL = Cfg::kNumLocalExperts;
   for (int i = threadIdx.x; i < EL * R; i += blockDim.x) {
     const int el = i / R, s = i % R;
     const uint8_t* peer = p.peer_base[s];
     const int e = p.rank * EL + el;
-    src_count[i] = __ldcg(reinterpret_cast<const int*>(peer + p.off.send_count) + e);
-    src_offset[i] = __ldcg(reinterpret_cast<const int*>(peer + p.off.send_offset) + e);
+    src_count[i] = __ldcg(send_side<Cfg>(peer, p.off.send_count, half) + e);
+    src_offset[i] = __ldcg(send_side<Cfg>(peer, p.off.send_offset, half) + e);
   }
   __syncthreads();
   for (int el = threadIdx.x; el < EL; el += blockDim.x) {
@@ -324,13 +333,13 @@ __device__ void dispatch_pull(const KernelParams& p, uint8_t* base, const Expert
 
 // Pool rows [first_row, row_end) while the L1 tiles run (Cfg::kPullDuringL1): warp `worker` of
 // `num_workers` over the grid. The layout's scratch is the pipeline stages by now, so the
-// source ranks' counts and offsets come from their send side (unchanged until the call's
-// last rank barrier). Two loads in flight per lane, one batch at a time: these warps run at the
+// source ranks' counts and offsets come from their send side (the call's half, send_side). Two
+// loads in flight per lane, one batch at a time: these warps run at the
 // producer warpgroup's register budget (Cfg::kProducerRegisters at BLOCK_M 128), where four
 // spilled.
 template <class Cfg>
 __device__ void pull_rows_during_l1(const KernelParams& p, uint8_t* base, const ExpertTables& t, int first_row,
-                                    int row_end, int worker, int num_workers) {
+                                    int row_end, int worker, int num_workers, int half) {
   constexpr int EL = Cfg::kNumLocalExperts;
   for (int row = first_row + worker; row < row_end; row += num_workers) {
     // The regions' addresses are formed anew in each row: hoisted out of the loop they were a
@@ -340,11 +349,11 @@ __device__ void pull_rows_during_l1(const KernelParams& p, uint8_t* base, const 
     const int e = p.rank * EL + el;  // global expert
     int j = row - t.exp_start[el], s = 0;
     for (;; ++s) {  // the expert's rows come source rank by source rank
-      const int count = __ldcg(reinterpret_cast<const int*>(p.peer_base[s] + p.off.send_count) + e);
+      const int count = __ldcg(send_side<Cfg>(p.peer_base[s], p.off.send_count, half) + e);
       if (j < count) break;
       j -= count;
     }
-    pull_row<Cfg, 2, false>(p, base, row, s, __ldcg(reinterpret_cast<const int*>(p.peer_base[s] + p.off.send_offset) + e) + j);
+    pull_row<Cfg, 2, false>(p, base, row, s, __ldcg(send_side<Cfg>(p.peer_base[s], p.off.send_offset, half) + e) + j);
     publish_pulled_row<Cfg>(p, base, t, el, row);
   }
 }

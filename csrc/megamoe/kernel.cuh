@@ -12,12 +12,15 @@
 //   3 layout    read peers' counts for local experts, pool layout (per CTA, smem)
 //   4 pull      copy routed tokens from their ranks into the L1 pool -> rows_arrived[m-block]
 //   5 L1        gate/up GEMM, SwiGLU x weight, FP8 requant -> act    -> l1_done[m-block]
-//   6 L2        down GEMM, BF16 rows scattered to the token's rank   -> rank_sync
-//   7 combine   sum each token's slots into y; reset send counters and both arrival counters
+//   6 L2        down GEMM, BF16 rows scattered to the token's rank   -> combine_arrived[token] (warp 1)
+//   7 combine   sum each token's slots into y once they have come (no barrier before or after)
+// A call first zeroes what the last one left counting (combine.cuh clear_last_call), and after its
+// cross-rank barrier the send side's other half (dispatch.cuh send_side).
 // L1 tiles trail the pull: an L1 tile waits for the rows of its m-block only (rows_arrived,
 // scheduler.cuh). In fast numerics at I >= 2048 the grid pulls the first rows before L1 and the
 // producer warpgroup's warps 1-3 the rest during it (config.cuh kPullDuringL1). L2 tiles trail
-// L1 tiles the same way (l1_done). The other phases are separated by barriers.
+// L1 tiles the same way (l1_done), and a token's combine its L2 rows (combine_arrived). Phases 1-3 are
+// separated by barriers.
 // Windowed variants (config.cuh kWindowed: pools of fewer rows than the worst routing) run phases
 // 3-6 for a window of the call's m-blocks at a time: the first here, the rest in the window kernel
 // (mega_moe_windows), which then runs phase 7.
@@ -61,18 +64,31 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
   const int num_tiles = sched.num_tiles();
   PipelineState tok;  // L1's token buffers (exact_l1.cuh convert_l1_tokens)
   const L2TileQueue<Cfg> queue{full};
-  for (int tile_of_cta = 0;; ++tile_of_cta) {
-    int tile = first_tile + tile_of_cta * static_cast<int>(gridDim.x);  // L1: dealt round-robin
+  const L2TileMailbox<Cfg> mailbox{full};
+  // L1's tiles are dealt round-robin: the loop carries the tile itself (a count of the CTA's tiles
+  // and the tile formed from it were one value more live through L1, spilled at BLOCK_M 64).
+  int tile = first_tile;
+  for (int tile_of_cta = 0;; ++tile_of_cta, tile += kIsL2 ? 0 : static_cast<int>(gridDim.x)) {
     if constexpr (kIsL2) {
       if (!queue.pop(p, tile_of_cta, tile)) return false;  // L2: as the producer claimed them
     }
-    if (tile >= num_tiles) break;
+    if (tile >= num_tiles) {
+      if constexpr (kIsL2) {
+        if (!mailbox.open(p, tile_of_cta, 0, L2TileMailbox<Cfg>::kNoMoreRows)) return false;
+        mailbox.close(tile_of_cta);
+        return true;
+      }
+      break;
+    }
     TileClock clock;
     const Tile t = sched.decode(tile);
     // Where the tile's first pool row lies in the token scales its stages carry (pipeline.cuh load_a).
     const int row_a = tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
     const int sf_skew = row_a - staged_scale_row(row_a);
     if constexpr (kIsL2) {
+      // Its rows, for the combine (signal_l2_rows), counted once the epilogue has stored them.
+      if (!mailbox.open(p, tile_of_cta, row_a, min(Cfg::kBlockM, tables.exp_count[t.expert] - t.m_block * Cfg::kBlockM)))
+        return false;
       // An L2 tile reads nothing L1 wrote but through its stages: the producer acquires the
       // m-block's L1 rows before it loads them (pipeline.cuh produce_tiles).
       // w2_scale [E_l, H/128, I/128]: one scale per 128 hidden columns; a column block past H
@@ -95,6 +111,7 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
         l2_epilogue<Cfg>(p, base, tables, t, wg, fc, dests, acc, quad_lines_of<Cfg>(amax_exchange));
       }
       clock.record(p, 1, tile_of_cta, wg);
+      mailbox.close(tile_of_cta);
     } else {
       // w13_scale [E_l, I/128, 2 (gate, up), H/128]: the tile's n-block is the requant group.
       const float* sb = p.w13_scale + ((int64_t)t.expert * (Cfg::kInter / 128) + t.n_block) * 2 * Cfg::kL1NumKBlocks;
@@ -206,6 +223,9 @@ struct CtaShared {
   // shared memory, since a register holding it across the GEMM phases made BLOCK_M 64 spill it.
   volatile uint32_t* rounds_at_start = reinterpret_cast<uint32_t*>(smem + offsetof(Smem, rank_rounds_at_start));
 
+  // The call's half of the send side (dispatch.cuh send_side): its cross-rank barrier's round & 1.
+  __device__ int send_half() const { return (*rounds_at_start + 1) & 1; }
+
   // Thread 0: the mbarriers of the GEMM phases, fresh (phase 0, no arrivals). `reinit`: they were
   // initialized before and are quiescent (a grid barrier after the last GEMM phase that used them).
   __device__ void init_barriers(bool reinit) const {
@@ -222,6 +242,10 @@ struct CtaShared {
       init(&tok_empty[b], Cfg::kNumMathThreads);
     }
     for (int s = 0; s < Cfg::kL2TileSlots; ++s) init(&l2_tile_full_of<Cfg>(full)[s], 1);
+    for (int s = 0; s < 2; ++s) {
+      init(&l2_done_full_of<Cfg>(full)[s], Cfg::kNumMathThreads);
+      init(&l2_done_empty_of<Cfg>(full)[s], 1);
+    }
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
   }
 };
@@ -251,7 +275,9 @@ __device__ __forceinline__ bool run_pool_window(const KernelParams& p, uint8_t* 
     int* src_count = cta.scratch;
     int* src_offset = cta.scratch + kPairs;
     int* scan_scratch = cta.scratch + 2 * kPairs;
-    dispatch_layout<Cfg>(p, tables, src_count, src_offset, scan_scratch, w == 0);
+    dispatch_layout<Cfg>(p, tables, src_count, src_offset, scan_scratch, w == 0, cta.send_half());
+    // The call's m-blocks, whose counters the next call zeroes (clear_last_call): before any phase stop.
+    if (w == 0 && blockIdx.x == 0 && threadIdx.x == 0) signals[kSigMblocksToClear] = tables.mblk_prefix[Cfg::kNumLocalExperts];
     if constexpr (Cfg::kWindowed) enter_pool_window<Cfg>(p, tables, cta.window, w);
     dispatch_pull<Cfg>(p, base, tables, src_count, src_offset, pull_head_rows());
     record_pull_end(p, 0);
@@ -281,7 +307,7 @@ __device__ __forceinline__ bool run_pool_window(const KernelParams& p, uint8_t* 
           if (Role::puller() && !pull_all_first) {
             pull_rows_during_l1<Cfg>(p, base, tables, pull_head_rows(), window_rows(),
                                      blockIdx.x * Role::kNumPullerWarps + Role::puller_warp(),
-                                     gridDim.x * Role::kNumPullerWarps);
+                                     gridDim.x * Role::kNumPullerWarps, cta.send_half());
             record_pull_end(p, 1);
           }
         }
@@ -291,13 +317,17 @@ __device__ __forceinline__ bool run_pool_window(const KernelParams& p, uint8_t* 
         return math_phase<Cfg, false>(p, base, tables, blockIdx.x, sv, cta.full, cta.empty, cta.tok_full, cta.tok_empty,
                                       ps, cta.amax_exchange, parity);
       });
-  if (p.stop_after_phase == 5) return false;  // the caller zeroes l1_done and the send counters (tools/phase_times.py)
+  if (p.stop_after_phase == 5) return false;  // the next call zeroes what this one left counting (clear_last_call)
   if constexpr (Cfg::kRebalanceRegisters) {
     static_assert(Cfg::kEarlyEpilogueRows, "wait_pool_pulled's reason");
     wait_pool_pulled<Cfg>(p, base, tables);
   }
   gemm_roles<Cfg>(
-      [&] { return !Role::tma_issuer() || produce_tiles<Cfg, true>(p, base, l2_sched, 0, sv, cta.full, cta.empty, ps); },
+      [&] {
+        if (Role::tma_issuer()) return produce_tiles<Cfg, true>(p, base, l2_sched, 0, sv, cta.full, cta.empty, ps);
+        if (Role::l2_signaller()) return signal_l2_rows<Cfg>(p, L2TileMailbox<Cfg>{cta.full});
+        return true;
+      },
       [&] {
         return math_phase<Cfg, true>(p, base, tables, 0, sv, cta.full, cta.empty, cta.tok_full, cta.tok_empty, ps,
                                      cta.amax_exchange, parity);
@@ -305,16 +335,12 @@ __device__ __forceinline__ bool run_pool_window(const KernelParams& p, uint8_t* 
   return true;
 }
 
-// 7: after every rank's L2 rows have come (the second cross-rank barrier): combine, and leave the
-// workspace ready for the next call.
+// 7: combine each token once its rows have come (combine.cuh), with no barrier before it: a CTA starts
+// as soon as its own L2 tiles are done.
 template <class Cfg>
-__device__ __forceinline__ void finish_call(const KernelParams& p, uint8_t* base, uint32_t* signals,
-                                            const CtaShared<Cfg>& cta) {
-  __threadfence_system();
-  rank_sync<Cfg::kNumRanks>(p, signals, *cta.rounds_at_start + 2);
+__device__ __forceinline__ void finish_call(const KernelParams& p, uint8_t* base) {
   if (p.stop_after_phase == 6) return;
   combine_tokens<Cfg>(p, base);
-  reset_workspace<Cfg>(p, base, cta.tables);
 }
 
 // The kernel body; the JIT-generated translation unit wraps it in an extern "C" __global__ entry
@@ -331,12 +357,16 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
     cta.init_barriers(false);
   }
 
-  // 1-2: send side.
-  dispatch_count<Cfg>(p, base, cta.scratch);
+  // 1-2: send side, after zeroing what the last call left counting.
+  clear_last_call<Cfg>(p, base, signals);
+  __syncthreads();  // every thread reads thread 0's rank round from here on (send_half)
+  dispatch_count<Cfg>(p, base, cta.scratch, cta.send_half());
   grid_sync(p, signals);
-  dispatch_list<Cfg>(p, base, cta.scratch, cta.scratch + Cfg::kNumExperts);
+  set_tokens_to_clear(p, signals);
+  dispatch_list<Cfg>(p, base, cta.scratch, cta.scratch + Cfg::kNumExperts, cta.send_half());
   __threadfence_system();
   rank_sync<Cfg::kNumRanks>(p, signals, *cta.rounds_at_start + 1);
+  clear_other_send_half<Cfg>(p, base, cta.send_half());
   if (p.stop_after_phase == 2) return;
 
   // 3-6: receive side, the GEMMs: the whole pool, or its first window.
@@ -344,12 +374,11 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   if constexpr (Cfg::kWindowed) {
     const int windows = num_pool_windows<Cfg>(p, cta.tables);
     if (windows > 1) {  // the window kernel runs the rest and phase 7
-      __threadfence_system();  // this kernel's L2 rows, before the window kernel's rank barrier
       if (blockIdx.x == 0 && threadIdx.x == 0) signals[kSigWindowsPending] = windows;
       return;
     }
   }
-  finish_call<Cfg>(p, base, signals, cta);
+  finish_call<Cfg>(p, base);
 }
 
 // The window kernel of windowed variants (Cfg::kWindowed), launched after mega_moe on the same
@@ -361,20 +390,21 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
 // call's windows return at once, the kernel boundary ends each window), and the last one phase 7.
 // A separate kernel: in the fused kernel, a loop around the GEMM roles made ptxas spill and drop the
 // main loops' uniform registers, 12-17% slower at 512-8192 tokens (docs/design.md section 8); here
-// that costs only the calls that need windows. The peers' send side stays valid meanwhile: no rank
-// passes the call's second cross-rank barrier before this rank arrives at it here.
+// that costs only the calls that need windows. The peers' send side stays valid meanwhile: their
+// call's half changes only after this rank has started its next call (dispatch.cuh send_side).
 template <class Cfg>
 __device__ __forceinline__ void mega_moe_windows(const KernelParams& p) {
   static_assert(Cfg::kWindowed, "only windowed variants have a window kernel");
   uint8_t* base = p.peer_base[p.rank];
   uint32_t* signals = reinterpret_cast<uint32_t*>(base + p.off.signals);
-  // The call's windows, 0 between calls: every CTA reads it before the cross-rank barrier after which
-  // it is cleared.
+  // The call's windows (0 where it has one: the call's clear_last_call zeroed it), cleared by the next call.
   const int windows = static_cast<int>(*reinterpret_cast<volatile uint32_t*>(signals + kSigWindowsPending));
   if (1 + (Cfg::kWindowLoop ? 0 : p.window_launch) >= windows) return;
   const CtaShared<Cfg> cta;
-  // mega_moe's CTA 0 stored its first cross-rank barrier's round: finish_call's round is this + 1.
+  // The completed cross-rank barriers count the call's (mega_moe's CTA 0 stored it): the call started
+  // from one less, as send_half expects.
   if (threadIdx.x == 0) *cta.rounds_at_start = rank_rounds_done(signals) - 1;
+  __syncthreads();  // every thread reads it from here on (send_half, in each window's layout)
   if constexpr (Cfg::kWindowLoop) {
     for (int w = 1;; ++w) {
       if (threadIdx.x == 0) cta.init_barriers(w > 1);
@@ -389,7 +419,7 @@ __device__ __forceinline__ void mega_moe_windows(const KernelParams& p) {
     // regions made ptxas spill.
     if (2 + p.window_launch < num_pool_windows<Cfg>(p, cta.tables)) return;  // the next launch's window
   }
-  finish_call<Cfg>(p, base, signals, cta);  // reset_workspace clears signals[kSigWindowsPending]
+  finish_call<Cfg>(p, base);  // the next call's clear_last_call clears signals[kSigWindowsPending]
 }
 
 }  // namespace megamoe

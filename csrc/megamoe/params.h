@@ -18,6 +18,7 @@ enum ErrorCode : uint32_t {
   kErrPipelineEmptyTimeout = 4,
   kErrL1RowsTimeout = 5,
   kErrPulledRowsTimeout = 6,
+  kErrCombineRowsTimeout = 7,
 };
 
 // What kernels report to the host, in host-mapped memory (one per process, runtime.cpp).
@@ -39,11 +40,13 @@ constexpr int kErrorTagShift = 16;
 constexpr uint32_t kMaxKernelTag = 0xFFFF;
 
 // Byte offsets of the symmetric-buffer regions (megamoe_plugin/buffer.py defines them).
+// send_count, send_cursor and send_offset hold two halves of [E] ints: a call uses half
+// (its cross-rank barrier's round) & 1 (kernel.cuh send_half).
 struct BufferOffsets {
   int64_t x, x_sf, topk_idx, topk_weights;
   int64_t send_count, send_cursor, send_offset, send_list, signals, l1_done, rows_arrived;
   int64_t pool_x, pool_sf, pool_weight, pool_src;
-  int64_t act, act_sf, combine;
+  int64_t act, act_sf, combine, combine_arrived;
 };
 
 // Indices into the uint32 `signals` region (megamoe_plugin/buffer.py SIGNAL_WORDS names the
@@ -54,8 +57,10 @@ enum SignalWord : int {
   kSigGridGeneration = 1,   // grid barriers completed (mod 2^32)
   kSigRankBarrier = 2,      // arrivals of all ranks at this rank (peers add remotely), mod 2^32
   kSigRankBarrierDone = 3,  // cross-rank barriers this rank has completed, mod 2^32
-  kSigL2TilesClaimed = 4,   // L2 tiles claimed in this call (pipeline.cuh L2TileQueue); 0 between calls
-  kSigWindowsPending = 5,   // the call's pool windows while the later ones wait for the window kernel; 0 between calls
+  kSigL2TilesClaimed = 4,   // L2 tiles claimed in this call (pipeline.cuh L2TileQueue); zeroed at the next call's start
+  kSigWindowsPending = 5,   // the call's pool windows while the later ones wait for the window kernel
+  kSigMblocksToClear = 6,   // the last call's m-blocks, whose counters the next call zeroes first
+  kSigTokensToClear = 7,    // the last call's tokens, whose combine_arrived the next call zeroes first
 };
 
 // TMA descriptors, built once per (buffer, weights) and kept in device memory
@@ -96,7 +101,7 @@ struct KernelParams {
   // publish_l1_tile (epilogue.cuh) computed from the buffer's base kept that 64-bit base live through
   // the L1 epilogue, where fast BLOCK_M 64 at H 7168 spilled it (8 B).
   int* l1_done;
-  // This rank's signals[kSigL2TilesClaimed], in a slot of its own for the producer's 40 registers.
+  // This rank's signals[kSigL2TilesClaimed], in a slot of its own for the producer's few registers (Cfg::kProducerRegisters).
   uint32_t* l2_tiles_claimed;
   const float* w13_scale;  // [E_l, I/128, 2, H/128]  (transformed: gate, up per 128 outputs)
   const float* w2_scale;   // [E_l, H/128, I/128]

@@ -8,6 +8,7 @@
 
 #include "config.cuh"
 #include "params.h"
+#include "roles.cuh"
 #include "scheduler.cuh"
 #include "smem.cuh"
 #include "sync.cuh"
@@ -86,7 +87,7 @@ __device__ __forceinline__ void load_a(const KernelParams& p, const StageView<Cf
 }
 
 // L2 tiles are claimed, not dealt: the producer takes the next unclaimed one from the call's counter
-// (KernelParams::l2_tiles_claimed, zeroed at exit) once it has issued its current tile's loads, and
+// (KernelParams::l2_tiles_claimed, zeroed at the next call's start) once it has issued its current tile's loads, and
 // hands it to the math warpgroups through shared memory. So a CTA that ends its L1 tiles early runs
 // more L2 tiles: with L1 tiles dealt round-robin, up to one L1 tile (3.5 L2 tiles' time at v3) of
 // imbalance at the start of L2, which a round-robin L2 kept to the end of the phase. Tiles are
@@ -120,6 +121,45 @@ struct L2TileQueue {
     if (!gemm_wait<Cfg>(p, &l2_tile_full_of<Cfg>(full)[slot], (i / Cfg::kL2TileSlots) & 1, kErrPipelineFullTimeout))
       return false;
     tile = *reinterpret_cast<volatile int*>(&l2_tile_ids_of<Cfg>(full)[slot]);
+    return true;
+  }
+};
+
+// The L2 tiles the math warpgroups have finished, handed to the producer warpgroup's warp 1, which
+// counts their rows into combine_arrived (combine.cuh signal_l2_rows) off the math warps' path. Two
+// slots, each a tile's rows (first pool row, valid rows) with a full barrier (every math thread
+// arrives after its epilogue's stores: release) and an empty barrier (the warp's lane 0, once all its
+// lanes have read the rows). The CTA's i-th L2 tile takes slot i % 2: its rows go in at the tile's
+// start (open), where the tile's decode has them, so that nothing more than the loop's count stays
+// live through the main loop and the epilogue (at the math warps' register limit that spilled), and
+// its arrivals after the epilogue (close). After the last tile the slot gets kNoMoreRows. The rows,
+// not the tile: decoding a tile there spilled in the producer warpgroup (BLOCK_M 128, at 40 registers then).
+template <class Cfg>
+struct L2TileMailbox {
+  static constexpr int kNoMoreRows = -1;
+  uint64_t* full;  // SharedStorage::full: the mailbox's members lie at constant offsets from it
+  // Math warpgroups, every thread, at the start of the CTA's i-th tile (or after its last, with
+  // kNoMoreRows); false after a timeout (gemm_wait).
+  __device__ bool open(const KernelParams& p, int i, int first_row, int valid_rows) const {
+    const int slot = i & 1;
+    if (!gemm_wait<Cfg>(p, &l2_done_empty_of<Cfg>(full)[slot], ((i >> 1) & 1) ^ 1, kErrPipelineEmptyTimeout))
+      return false;
+    if (Role::first_math_thread()) l2_done_rows_of<Cfg>(full)[slot] = make_int2(first_row, valid_rows);
+    return true;
+  }
+  // Math warpgroups, every thread, after the i-th tile's epilogue (or right after open's kNoMoreRows).
+  __device__ void close(int i) const {
+    cuda::ptx::mbarrier_arrive(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
+                               &l2_done_full_of<Cfg>(full)[i & 1]);
+  }
+  // The signalling warp, every lane: the rows of the math warpgroups' i-th tile; false after a timeout.
+  __device__ bool take(const KernelParams& p, int i, int2& rows) const {
+    const int slot = i & 1;
+    if (!gemm_wait<Cfg>(p, &l2_done_full_of<Cfg>(full)[slot], (i >> 1) & 1, kErrPipelineFullTimeout)) return false;
+    const volatile int* posted = reinterpret_cast<volatile int*>(&l2_done_rows_of<Cfg>(full)[slot]);
+    rows = make_int2(posted[0], posted[1]);
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) cuda::ptx::mbarrier_arrive(&l2_done_empty_of<Cfg>(full)[slot]);
     return true;
   }
 };

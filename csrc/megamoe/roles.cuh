@@ -4,7 +4,8 @@
 //                                  loads (pipeline.cuh produce_tiles); in exact L1 warps 1-3
 //                                  convert each stage's tokens to FP16 (exact_l1.cuh
 //                                  convert_l1_tokens), in fast L1 they pull the pool's later rows
-//                                  (dispatch.cuh pull_rows_during_l1); at BLOCK_M 128 it lends its registers to
+//                                  (dispatch.cuh pull_rows_during_l1), in L2 warp 1 counts the finished
+//                                  tiles' rows for the combine (combine.cuh signal_l2_rows); at BLOCK_M 128 it lends its registers to
 //                                  the math warpgroups (kernel.cuh gemm_roles);
 //   warpgroups 1-2 (threads 128-383) the math warpgroups: main loops and epilogues.
 #pragma once
@@ -26,6 +27,9 @@ struct Role {
   static constexpr int kNumPullerWarps = kNumConverterThreads / 32;
   __device__ __forceinline__ static bool puller() { return converter(); }
   __device__ __forceinline__ static int puller_warp() { return converter_thread() / 32; }
+  // In L2: the warp that counts the math warpgroups' finished tiles into the tokens' combine_arrived
+  // (combine.cuh signal_l2_rows).
+  __device__ __forceinline__ static bool l2_signaller() { return threadIdx.x / 32 == 1; }
   __device__ __forceinline__ static bool producer_warpgroup() { return threadIdx.x < kProducerWarpgroupThreads; }
   // Math warpgroups only (unsigned arithmetic: the divisions stay shifts).
   __device__ __forceinline__ static int math_warpgroup() { return (threadIdx.x - kProducerWarpgroupThreads) / 128; }

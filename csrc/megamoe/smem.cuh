@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <vector_types.h>
+
 #include "config.cuh"
 
 namespace megamoe {
@@ -24,6 +26,12 @@ struct SharedStorage {
   // a barrier (1 arrival) and the tile.
   uint64_t l2_tile_full[Cfg::kL2TileSlots];
   int l2_tile_ids[Cfg::kL2TileSlots];
+  // The L2 tiles the math warpgroups have finished, for the producer warpgroup's warp 1 to signal to
+  // the combine (pipeline.cuh L2TileMailbox): per slot a full barrier (one arrival per math thread),
+  // an empty barrier (1) and the tile's rows (first pool row, valid rows).
+  uint64_t l2_done_full[2];
+  uint64_t l2_done_empty[2];
+  int2 l2_done_rows[2];
   uint32_t rank_rounds_at_start;  // sync.cuh rank_rounds_done when the call started (kernel.cuh)
   // Windowed variants: the pool window the GEMM phases run (dispatch.cuh PoolWindow, which
   // kernel.cuh CtaShared checks fits), set by thread 0 of the CTA for all of its threads.
@@ -45,8 +53,9 @@ struct SharedStorage {
   alignas(1024) uint8_t stages[Cfg::kNumStages][Cfg::kStageBytes];
 
   static_assert(sizeof(full) + sizeof(empty) + sizeof(tok_full) + sizeof(tok_empty) + sizeof(l2_tile_full) +
-                    sizeof(l2_tile_ids) + sizeof(rank_rounds_at_start) + sizeof(pool_window) <= 1024,
-                "the barriers, the L2 tile queue, the rank round and the pool window fit before the amax exchange");
+                    sizeof(l2_tile_ids) + sizeof(l2_done_full) + sizeof(l2_done_empty) + sizeof(l2_done_rows) +
+                    sizeof(rank_rounds_at_start) + sizeof(pool_window) <= 1024,
+                "the barriers, the L2 tile queue and mailbox, the rank round and the pool window fit before the amax exchange");
   static_assert(Cfg::kScratchInts * 4 <= sizeof(stages), "dispatch scratch does not fit");
 };
 
@@ -58,11 +67,24 @@ __device__ __forceinline__ uint8_t* quad_lines_of(float* amax_exchange) {
          (offsetof(SharedStorage<Cfg>, quad_lines) - offsetof(SharedStorage<Cfg>, amax_exchange));
 }
 
-// The L2 tile queue's members, addressed from the full barriers' pointer (a constant offset: no
-// further shared-memory pointer stays live in the producer's 40 registers).
+// The L2 tile queue's and the L2 tile mailbox's members, addressed from the full barriers' pointer (a constant offset: no
+// further shared-memory pointer stays live in the producer's few registers, Cfg::kProducerRegisters).
 template <class Cfg>
 __device__ __forceinline__ uint64_t* l2_tile_full_of(uint64_t* full) {
   return full + (offsetof(SharedStorage<Cfg>, l2_tile_full) - offsetof(SharedStorage<Cfg>, full)) / 8;
+}
+template <class Cfg>
+__device__ __forceinline__ uint64_t* l2_done_full_of(uint64_t* full) {
+  return full + (offsetof(SharedStorage<Cfg>, l2_done_full) - offsetof(SharedStorage<Cfg>, full)) / 8;
+}
+template <class Cfg>
+__device__ __forceinline__ uint64_t* l2_done_empty_of(uint64_t* full) {
+  return full + (offsetof(SharedStorage<Cfg>, l2_done_empty) - offsetof(SharedStorage<Cfg>, full)) / 8;
+}
+template <class Cfg>
+__device__ __forceinline__ int2* l2_done_rows_of(uint64_t* full) {
+  return reinterpret_cast<int2*>(reinterpret_cast<uint8_t*>(full) +
+                                 (offsetof(SharedStorage<Cfg>, l2_done_rows) - offsetof(SharedStorage<Cfg>, full)));
 }
 template <class Cfg>
 __device__ __forceinline__ int* l2_tile_ids_of(uint64_t* full) {

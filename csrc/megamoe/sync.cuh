@@ -105,6 +105,10 @@ __device__ __forceinline__ void red_add_release_sys(uint32_t* ptr, uint32_t v) {
   asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ void red_add_relaxed_sys(uint32_t* ptr, uint32_t v) {
+  asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
 // Every counter that lives across calls is wrap-safe by construction (docs/design.md s.4: a
 // server calls the kernel billions of times):
 //   - the grid barrier's arrival count resets itself (atom.inc wraps to 0 at the grid size),

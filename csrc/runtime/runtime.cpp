@@ -201,7 +201,7 @@ int make_params(const std::vector<uint64_t>& peer_ptrs, int rank, const std::map
             off("send_count"),  off("send_cursor"), off("send_offset"), off("send_list"),
             off("signals"),     off("l1_done"),     off("rows_arrived"), off("pool_x"),
             off("pool_sf"),     off("pool_weight"), off("pool_src"),  off("act"),
-            off("act_sf"),      off("combine")};
+            off("act_sf"),      off("combine"),     off("combine_arrived")};
   for (size_t r = 0; r < peer_ptrs.size(); ++r) p->peer_base[r] = reinterpret_cast<uint8_t*>(peer_ptrs[r]);
   const uint64_t base = peer_ptrs[rank];
   p->l1_done = reinterpret_cast<int*>(base + p->off.l1_done);

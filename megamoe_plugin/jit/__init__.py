@@ -336,6 +336,20 @@ def compile_variants(variants: List[KernelVariant], verbose: bool = False,
         return list(pool.map(one, variants))
 
 
+# Fused kernels that may spill, each up to the bytes given: BLOCK_M 64 with fast_math at top-8, where
+# the math warps sit at the 168 registers of a 384-thread CTA. Every load of these spills lies outside
+# the WGMMA main loops, once per tile: the L1 and L2 loops' tile bounds, reloaded at each tile's check,
+# and (h7168 R = 2) an L1 tile's act-row offset and m-block, reloaded in its epilogue (tools/spill_sites.py
+# lists them; it needs nvdisasm, which the compile check does not have everywhere). A spill that grows
+# past its allowance fails as any other.
+SPILLS_OUTSIDE_MAIN_LOOPS = {
+    "h7168_i2048_k8_e32_r1_bm64_st5_fm1_fast": 8,
+    "h7168_i2048_k8_e64_r2_bm64_st5_fm1_fast_win": 44,
+    "h4096_i1536_k8_e64_r2_bm64_st5_fm1_fast_win": 16,
+    "h2048_i768_k8_e64_r2_bm64_st5_fm1_fast_win": 16,
+}
+
+
 WGMMA_SERIALIZED = re.compile(r"\((C\d+)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized")
 
 
@@ -394,10 +408,13 @@ def check_variants(variants: List[KernelVariant]) -> int:
             spills = usage.spill_stores + usage.spill_loads
             # A timeline build's clock registers may spill a few bytes (12-20 at BLOCK_M 64, outside
             # the main loop): acceptable in that debugging build, shown, not failed.
-            spills_fail = spills > 0 and not variant.timeline
+            allowed = SPILLS_OUTSIDE_MAIN_LOOPS.get(variant.name(), 0)
+            spills_fail = spills > allowed and not variant.timeline
             ok = not spills_fail and usage.registers > 0 and not usage.wgmma_serialized
             status = ("SPILLS" if spills_fail else f"WGMMA SERIALIZED (ptxas {usage.wgmma_serialized})" if usage.wgmma_serialized
-                      else "no ptxas report" if usage.registers <= 0 else "ok (timeline build spills)" if spills
+                      else "no ptxas report" if usage.registers <= 0
+                      else "ok (timeline build spills)" if spills and variant.timeline
+                      else f"ok (allowed: at most {allowed} B outside the main loops)" if spills
                       else "ok")
             if variant.windowed:
                 # The window kernel runs only the calls whose rows overflow the pools; its spills (its

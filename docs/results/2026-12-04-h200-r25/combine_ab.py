@@ -1,26 +1,22 @@
 """Round 25: the combine phase's time over many buffers (call 2 found it bimodal from one buffer to the
 next: 137-168 or 330-340 us at v4flash 8192 tokens). Per config, --buffers buffers one after another (each
 freed before the next), one layer and one routing; per buffer the full call and the call stopped after L2
-(tools/phase_times.py's way: eager calls, the counters reset and the L2 flushed before each, median of
---iters); prints full, stopped and combine = full - stopped, in us. Run it under two trees to compare them.
+(tools/phase_times.py's way: eager calls, the L2 flushed before each, median of --iters; in call 4 its
+`reset_and_flush` also zeroed the counters a stopped call left, which the next call now zeroes itself);
+prints full, stopped and combine = full - stopped, in us. Run it under two trees to compare them.
 
     python3 docs/results/2026-12-04-h200-r25/combine_ab.py [--configs v4flash,v3] [--tokens 8192] [--buffers 6]
 """
 import argparse
 import functools
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
+import torch
 
-import torch  # noqa: E402
-
-import megamoe_plugin as mm  # noqa: E402
-from megamoe_plugin.configs import REFERENCE_SHAPES  # noqa: E402
-from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer  # noqa: E402
-from megamoe_plugin.timing import l2_flusher, median_call_seconds  # noqa: E402
-from phase_times import reset_and_flush  # noqa: E402
+import megamoe_plugin as mm
+from megamoe_plugin.configs import REFERENCE_SHAPES
+from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer
+from megamoe_plugin.timing import l2_flusher, median_call_seconds
 
 
 def main():
@@ -45,7 +41,7 @@ def main():
             buf = mm.get_symm_buffer(None, E, n, K, H, I)
             bufs.append(buf)
             fill_buffer(buf, inputs)
-            before = functools.partial(reset_and_flush, buf, flush)
+            before = flush
             times = {}
             for stop in (6, 0):
                 call = functools.partial(mm.fp8_mega_moe, y, layer.l1, layer.l2, buf, _stop_after_phase=stop)
