@@ -418,7 +418,7 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     float32-faithful and batch-invariant), docs/design.md section 2; None reads MEGAMOE_NUMERICS
     (default "fast"). Every rank must pass the same mode.
     `_stop_after_phase` is for phase-by-phase kernel debugging (csrc/megamoe/kernel.cuh
-    numbers the phases); a stopped call leaves the send counters for the caller to zero.
+    numbers the phases); the next call zeroes what a stopped call left counting.
     `_timeline` (ops.timeline_for(buf); megamoe_plugin.timeline reads it) is for finding where a GEMM tile's time
     goes: the call runs its variant built with per-tile clock records, which it writes there."""
     validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats, config_num_tokens)

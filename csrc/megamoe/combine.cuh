@@ -49,7 +49,10 @@ __device__ bool signal_l2_rows(const KernelParams& p, const L2TileMailbox<Cfg>& 
   }
 }
 
-template <class Cfg>
+// kSum false (the phase stop after L2, stop_after_phase 6): only the waits for each token's count.
+// A call may end only once every count into its combine_arrived has landed: the next call zeroes them
+// first, before its cross-rank barrier, and a peer's late add would then count into that call.
+template <class Cfg, bool kSum = true>
 __device__ void combine_tokens(const KernelParams& p, uint8_t* base) {
   const uint32_t* combine_arrived = reinterpret_cast<const uint32_t*>(base + p.off.combine_arrived);
   constexpr int H = Cfg::kHidden, K = Cfg::kTopk;
@@ -77,6 +80,7 @@ __device__ void combine_tokens(const KernelParams& p, uint8_t* base) {
     // Every lane acquires the count itself, so its own loads below come after the rows' stores.
     const uint32_t expected = combine_rows_expected<Cfg>(valid_mask);
     bounded_wait(p, kErrCombineRowsTimeout, [&] { return ld_acquire_sys(combine_arrived + token) >= expected; }, 2);
+    if constexpr (!kSum) continue;
     for (int col = first_col + lane * 8; col < end_col; col += 256) {
       // All slots' loads are issued before any is used, so K loads per lane are in flight.
       uint4 packed[K];

@@ -339,7 +339,7 @@ __device__ __forceinline__ bool run_pool_window(const KernelParams& p, uint8_t* 
 // as soon as its own L2 tiles are done.
 template <class Cfg>
 __device__ __forceinline__ void finish_call(const KernelParams& p, uint8_t* base) {
-  if (p.stop_after_phase == 6) return;
+  if (p.stop_after_phase == 6) return combine_tokens<Cfg, false>(p, base);  // the counts, no sum
   combine_tokens<Cfg>(p, base);
 }
 

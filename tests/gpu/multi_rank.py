@@ -34,9 +34,10 @@ def step_inputs(num_ranks, shape, tokens, step, routing, device, gen):
     return [random_inputs(n, hidden, local_experts * num_ranks, topk, routing, device, gen) for n in counts]
 
 
-def launch_side_by_side(bufs, layers, inputs, streams, tokens, numerics):
+def launch_side_by_side(bufs, layers, inputs, streams, tokens, numerics, stop_after_phase=0):
     """One step of R ranks on one GPU: every rank's kernel launched on its own stream before
-    any wait (they must overlap); returns the NaN-poisoned outputs, synchronized."""
+    any wait (they must overlap); returns the NaN-poisoned outputs, synchronized. `stop_after_phase`:
+    the debugging switch (ops.fp8_mega_moe's _stop_after_phase)."""
     ys = []
     for buf, rank_inputs in zip(bufs, inputs):
         fill_buffer(buf, rank_inputs)
@@ -45,7 +46,8 @@ def launch_side_by_side(bufs, layers, inputs, streams, tokens, numerics):
     for buf, layer, y, stream in zip(bufs, layers, ys, streams):
         with torch.cuda.stream(stream):
             # every rank picks its kernel by the same token count, as vLLM's DP padding does
-            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, config_num_tokens=tokens, numerics=numerics)
+            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, config_num_tokens=tokens, numerics=numerics,
+                            _stop_after_phase=stop_after_phase)
     mm.ops.synchronize()
     return ys
 
