@@ -48,6 +48,8 @@ def test_calls_across_the_wrap_point(num_ranks, start):
         assert done == (start + NUM_CALLS * CROSS_RANK_BARRIERS_PER_CALL) & mask
         assert signals[SIGNAL_WORDS["rank_barrier"]] == (done * num_ranks) & mask
         assert signals[SIGNAL_WORDS["grid_arrivals"]] == 0
+        # Set only by a call that needs more than one pool window (and zeroed by the next call's start):
+        # this shape's calls fit the default pools.
         assert signals[SIGNAL_WORDS["windows_pending"]] == 0
         advanced = (signals[SIGNAL_WORDS["grid_generation"]] - start) & mask
         assert advanced == NUM_CALLS * GRID_BARRIERS_PER_CALL
