@@ -244,7 +244,7 @@ struct CtaShared {
     for (int s = 0; s < Cfg::kL2TileSlots; ++s) init(&l2_tile_full_of<Cfg>(full)[s], 1);
     for (int s = 0; s < 2; ++s) {
       init(&l2_done_full_of<Cfg>(full)[s], Cfg::kNumMathThreads);
-      init(&l2_done_empty_of<Cfg>(full)[s], 1);
+      init(&l2_done_empty_of<Cfg>(full)[s], 32);  // every lane of the signalling warp (L2TileMailbox::take)
     }
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
   }
@@ -335,10 +335,14 @@ __device__ __forceinline__ bool run_pool_window(const KernelParams& p, uint8_t* 
   return true;
 }
 
-// 7: combine each token once its rows have come (combine.cuh), with no barrier before it: a CTA starts
-// as soon as its own L2 tiles are done.
+// 7: combine each token once its rows have come (combine.cuh), with no cross-rank barrier before it: a
+// CTA starts as soon as its own L2 tiles are done. Until then its warps that finished early wait at a CTA
+// barrier (at BLOCK_M < 128 the producer warpgroup's idle warps, in fast numerics from L1 on): polling
+// the tokens' counts instead (ld.acquire.sys, an L1 invalidation per poll, for the whole GEMM phases)
+// made fast decode 1.5-5% slower than main, which parked them at the cross-rank barrier (results round 29).
 template <class Cfg>
 __device__ __forceinline__ void finish_call(const KernelParams& p, uint8_t* base) {
+  __syncthreads();
   if (p.stop_after_phase == 6) return combine_tokens<Cfg, false>(p, base);  // the counts, no sum
   combine_tokens<Cfg>(p, base);
 }

@@ -28,7 +28,7 @@ struct SharedStorage {
   int l2_tile_ids[Cfg::kL2TileSlots];
   // The L2 tiles the math warpgroups have finished, for the producer warpgroup's warp 1 to signal to
   // the combine (pipeline.cuh L2TileMailbox): per slot a full barrier (one arrival per math thread),
-  // an empty barrier (1) and the tile's rows (first pool row, valid rows).
+  // an empty barrier (32: the signalling warp's lanes) and the tile's rows (first pool row, valid rows).
   uint64_t l2_done_full[2];
   uint64_t l2_done_empty[2];
   int2 l2_done_rows[2];
