@@ -28,40 +28,23 @@ from megamoe_plugin.timing import l2_flusher
 from phase_times import add_call_arguments, calls  # tools/ is this script's folder
 
 
-def side_by_side_calls(args):
-    """As phase_times.calls, for --ranks R > 1: per (config, tokens) the R ranks' layers, buffers
-    (buffer.get_local_rank_buffers) and outputs, each rank with `tokens` tokens routed uniformly."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def rank_calls(args, num_ranks, local_bufs, seed):
+    """As phase_times.calls, for R ranks: per (config, tokens) the layers, buffers and outputs of the
+    ranks this process runs (`local_bufs(experts, max tokens, top-k, H, I)` makes their buffers), each
+    rank with `tokens` tokens routed uniformly over all R ranks' experts."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     tokens_list = [int(t) for t in args.tokens.split(",")]
-    experts = args.local_experts * args.ranks
+    experts = args.local_experts * num_ranks
     for name in args.configs.split(","):
         hidden, inter, topk = CONFIGS[name]
-        layers = [random_layer(args.local_experts, hidden, inter, "cuda", gen) for _ in range(args.ranks)]
-        bufs = mm.buffer.get_local_rank_buffers(args.ranks, experts, max(tokens_list), topk, hidden, inter)
+        bufs = local_bufs(experts, max(tokens_list), topk, hidden, inter)
+        layers = [random_layer(args.local_experts, hidden, inter, "cuda", gen) for _ in bufs]
         for n in tokens_list:
             for buf in bufs:
                 fill_buffer(buf, random_inputs(n, hidden, experts, topk, "uniform", "cuda", gen))
             yield name, hidden, inter, layers, bufs, [torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
                                                       for _ in bufs]
         del layers, bufs
-        torch.cuda.empty_cache()
-
-
-def distributed_calls(args, dist):
-    """Under torchrun (WORLD_SIZE > 1): this process's rank, one per GPU, on a symmetric buffer of
-    the group (NVLink); every rank has `tokens` tokens routed uniformly over all ranks' experts."""
-    world = dist.get_world_size()
-    gen = torch.Generator(device="cuda").manual_seed(dist.get_rank())
-    tokens_list = [int(t) for t in args.tokens.split(",")]
-    experts = args.local_experts * world
-    for name in args.configs.split(","):
-        hidden, inter, topk = CONFIGS[name]
-        layer = random_layer(args.local_experts, hidden, inter, "cuda", gen)
-        buf = mm.get_symm_buffer(dist.group.WORLD, experts, max(tokens_list), topk, hidden, inter)
-        for n in tokens_list:
-            fill_buffer(buf, random_inputs(n, hidden, experts, topk, "uniform", "cuda", gen))
-            yield name, hidden, inter, [layer], [buf], [torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")]
-        del layer, buf
         torch.cuda.empty_cache()
 
 
@@ -95,12 +78,13 @@ def main():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
         label = f"[rank {dist.get_rank()}/{dist.get_world_size()}] "
     flush = l2_flusher()
-    if dist is not None:
-        world = distributed_calls(args, dist)
+    if dist is not None:  # this process's rank, one per GPU, on a symmetric buffer of the group (NVLink)
+        world = rank_calls(args, dist.get_world_size(), lambda *shape: [mm.get_symm_buffer(dist.group.WORLD, *shape)],
+                           seed=dist.get_rank())
     elif args.ranks == 1:
         world = ((name, hidden, inter, [layer], [buf], [y]) for name, hidden, inter, layer, buf, y in calls(args))
-    else:
-        world = side_by_side_calls(args)
+    else:  # R ranks side by side on one GPU, each on its share of the SMs
+        world = rank_calls(args, args.ranks, lambda *shape: mm.buffer.get_local_rank_buffers(args.ranks, *shape), seed=0)
     for name, hidden, inter, layers, bufs, ys in world:
         streams = [torch.cuda.current_stream()] if len(bufs) == 1 else [torch.cuda.Stream() for _ in bufs]
         timelines = [timeline_for(buf) for buf in bufs]

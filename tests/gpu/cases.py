@@ -196,21 +196,28 @@ LAG_RUNS = [(1, "fast"), (1, "exact"), (2, "fast")]
 LAG_TOKENS = (1, 128, 2048, 8192)
 
 
-def lag_variants():
+def lag_timeline_variants(num_ranks, num_sms, numerics):
+    """The timeline builds tools/tile_timeline.py loads for v3 and v4flash at LAG_TOKENS per rank,
+    R ranks on num_sms SMs each."""
     from megamoe_plugin.bench.cli import LOCAL_EXPERTS
     from megamoe_plugin.buffer import BufferShape
     from megamoe_plugin.configs import REFERENCE_SHAPES
     from megamoe_plugin.variants import variant_for
 
     out = []
-    for num_ranks, numerics in LAG_RUNS:
-        for name in ("v3", "v4flash"):
-            ref = REFERENCE_SHAPES[name]
-            shape = BufferShape(num_ranks, LOCAL_EXPERTS * num_ranks, max(LAG_TOKENS), ref.num_topk, ref.hidden,
-                                ref.intermediate_size)
-            out += [dataclasses.replace(variant_for(shape, "NVIDIA H200", 132 // num_ranks, n, True, numerics, None),
-                                        timeline=True) for n in LAG_TOKENS]
-    return list(dict.fromkeys(out))
+    for name in ("v3", "v4flash"):
+        ref = REFERENCE_SHAPES[name]
+        shape = BufferShape(num_ranks, LOCAL_EXPERTS * num_ranks, max(LAG_TOKENS), ref.num_topk, ref.hidden,
+                            ref.intermediate_size)
+        out += [dataclasses.replace(variant_for(shape, "NVIDIA H200", num_sms, n, True, numerics, None), timeline=True)
+                for n in LAG_TOKENS]
+    return out
+
+
+def lag_variants():
+    """Round 29's lag.sh: LAG_RUNS side by side on one H200."""
+    return list(dict.fromkeys(v for num_ranks, numerics in LAG_RUNS
+                              for v in lag_timeline_variants(num_ranks, 132 // num_ranks, numerics)))
 
 
 def x2_variants():
@@ -218,9 +225,7 @@ def x2_variants():
     in both numerics modes, python -m megamoe_plugin.bench at R = 2 (v3, v4flash), and
     tools/tile_timeline.py's lag at LAG_TOKENS in fast numerics."""
     from megamoe_plugin.bench.cli import LOCAL_EXPERTS
-    from megamoe_plugin.buffer import BufferShape
     from megamoe_plugin.configs import REFERENCE_SHAPES
-    from megamoe_plugin.variants import variant_for
 
     from .multi_rank import MULTI_RANK_SHAPES
 
@@ -230,9 +235,7 @@ def x2_variants():
     for name in ("v3", "v4flash"):
         ref = REFERENCE_SHAPES[name]
         out += call_variants(2, 2 * LOCAL_EXPERTS, ref.num_topk, ref.hidden, ref.intermediate_size, 8192, 132, (True,))
-        shape = BufferShape(2, 2 * LOCAL_EXPERTS, max(LAG_TOKENS), ref.num_topk, ref.hidden, ref.intermediate_size)
-        out += [dataclasses.replace(variant_for(shape, "NVIDIA H200", 132, n, True, "fast", None), timeline=True)
-                for n in LAG_TOKENS]
+    out += lag_timeline_variants(2, 132, "fast")
     return list(dict.fromkeys(out))
 
 
