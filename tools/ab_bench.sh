@@ -19,5 +19,8 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
   echo "bench $b_name $r rc $?"
 done
 grep -c "megamoe: compiling" /tmp/bench_?_*.err | sed 's/^/nvcc runs: /'
-python3 tools/ab_summary.py --a "$OUT"/bench_${a_name}_?.txt --b "$OUT"/bench_${b_name}_?.txt --names "$a_name,$b_name" |
+# Every round's file by its number (a `_?` glob dropped rounds 10 and up).
+rounds=$(seq 1 "${ROUNDS:-2}")
+python3 tools/ab_summary.py --a $(printf "$OUT/bench_${a_name}_%s.txt " $rounds) \
+  --b $(printf "$OUT/bench_${b_name}_%s.txt " $rounds) --names "$a_name,$b_name" |
   tee "$OUT/ab.txt"
