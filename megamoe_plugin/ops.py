@@ -25,7 +25,7 @@ import torch
 from .buffer import SymmBuffer
 from .heuristics import DEFAULT_NUMERICS
 from .jit import (NUM_THREADS, KERNEL_NAME, WINDOW_KERNEL_NAME, KernelMissingError, KernelVariant, compile_variant, compile_variants,
-                  missing_variants)
+                  missing_variants, variants_to_compile)
 from .jit.command import build_command
 from .progress import progress_bar
 from . import timeline
@@ -363,7 +363,10 @@ def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Ite
             variants.append(v)
     missing = [v for v in variants if (buf.device.index, v) not in _kernels]
     _raise_if_not_buildable(buf, missing, num_tokens_list, numerics, fast_math)
-    progress = progress_bar(len(variants), "megamoe: compiling kernels", "variant")
+    # The bar says which it is: a start-up from a warm cache only loads (a "compiling" bar there
+    # read as an nvcc run in the logs).
+    action = "compiling" if variants_to_compile(missing) else "loading"
+    progress = progress_bar(len(variants), f"megamoe: {action} kernels", "variant")
     for compiled in compile_variants(missing, on_done=lambda v, result: progress.update()):
         if isinstance(compiled, RuntimeError):
             raise compiled

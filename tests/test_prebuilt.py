@@ -173,3 +173,30 @@ def test_batch_sizes(text, counts):
 def test_bad_batch_sizes(text):
     with pytest.raises(ValueError, match="batch sizes"):
         command.parse_batch_sizes(text)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_warmup_progress_says_compiling_only_when_something_compiles(jit_cache, fake_build, monkeypatch, cached):
+    """A start-up from a warm cache shows a "loading" bar; one that runs nvcc a "compiling" one,
+    counting every variant the batch sizes select."""
+    monkeypatch.setattr(ops, "_require_sm90", lambda device: None)
+    monkeypatch.setattr(ops, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(ops, "_grid_size", lambda buf: 132)
+    monkeypatch.setattr(ops, "_kernel_handle", lambda device, variant: None)
+    monkeypatch.setattr(ops, "_params_handle", lambda *args: None)
+    toolchain = jit.Toolchain("nvcc", "include")
+    monkeypatch.setattr(jit.Toolchain, "build_name", lambda self: "nvcc12.8.93-cutlass4.2.0")
+    monkeypatch.setattr(jit, "find_toolchain", lambda: (toolchain, ""))
+    compiled = []
+    monkeypatch.setattr(jit, "compile_variant", lambda variant, verbose=False: compiled.append(variant) or variant)
+    bars = []
+    monkeypatch.setattr(ops, "progress_bar", lambda total, desc, unit: bars.append((total, desc)) or
+                        progress._Lines(total, desc, unit))
+    buf = mm.get_symm_buffer(None, 4, 64, 2, 384, 256, device="cpu")
+    counts = [1, 2, 3, 64]
+    selected = list(dict.fromkeys(ops.select_variant(buf, n, True, "fast") for n in counts))
+    for variant in selected[:len(selected) if cached else 1]:
+        fake_build(variant)
+    assert ops.warmup(buf, ("w13", "s13"), ("w2", "s2"), counts, numerics="fast") == len(selected)
+    assert bars == [(len(selected), "megamoe: loading kernels" if cached else "megamoe: compiling kernels")]
+    assert set(jit.variants_to_compile(selected)) == (set() if cached else set(selected[1:]))

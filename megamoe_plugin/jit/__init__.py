@@ -242,6 +242,13 @@ class KernelMissingError(RuntimeError):
         self.command = command
 
 
+def variants_to_compile(variants: List[KernelVariant]) -> List[KernelVariant]:
+    """The variants that compile_variant would compile: no build of this toolchain in the cache
+    (without a toolchain, no build at all; compile_variant then raises for them)."""
+    toolchain, _ = find_toolchain()
+    return [v for v in variants if cached_build(v, toolchain) is None]
+
+
 def missing_variants(variants: List[KernelVariant]) -> Tuple[List[KernelVariant], str]:
     """(the variants that cannot be loaded here, why): those without a cached build where
     nothing can compile; none where a toolchain is found."""
