@@ -187,8 +187,7 @@ def test_warmup_progress_says_compiling_only_when_something_compiles(jit_cache, 
     toolchain = jit.Toolchain("nvcc", "include")
     monkeypatch.setattr(jit.Toolchain, "build_name", lambda self: "nvcc12.8.93-cutlass4.2.0")
     monkeypatch.setattr(jit, "find_toolchain", lambda: (toolchain, ""))
-    compiled = []
-    monkeypatch.setattr(jit, "compile_variant", lambda variant, verbose=False: compiled.append(variant) or variant)
+    monkeypatch.setattr(jit, "compile_variant", lambda variant, verbose=False: variant)  # no nvcc run here
     bars = []
     monkeypatch.setattr(ops, "progress_bar", lambda total, desc, unit: bars.append((total, desc)) or
                         progress._Lines(total, desc, unit))
