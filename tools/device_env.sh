@@ -52,5 +52,7 @@ install_tree() {
 # in_tree NAME CMD...: CMD from /tmp (away from this tree's package) with tree NAME's package and cubins.
 in_tree() {
   local name=$1; shift
+  # A name never installed would import this tree's package instead, silently (round 30, call 4).
+  [ -d "/tmp/site_$name" ] || { echo "in_tree: no tree '$name' (install_tree $name ... first)" >&2; return 2; }
   (cd /tmp && PYTHONPATH=/tmp/site_$name:/tmp/site MEGAMOE_CACHE_DIR=/tmp/jitcache_$name "$@")
 }
