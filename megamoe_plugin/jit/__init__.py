@@ -253,9 +253,7 @@ def missing_variants(variants: List[KernelVariant]) -> Tuple[List[KernelVariant]
     """(the variants that cannot be loaded here, why): those without a cached build where
     nothing can compile; none where a toolchain is found."""
     toolchain, why = find_toolchain()
-    if toolchain is not None:
-        return [], ""
-    return [v for v in variants if cached_build(v, None) is None], why
+    return ([], "") if toolchain is not None else (variants_to_compile(variants), why)
 
 
 @dataclasses.dataclass
