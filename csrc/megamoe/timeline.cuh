@@ -78,7 +78,8 @@ struct ProducerClock {
 // The calling warp's share of the pull has ended: `part` 0 for the rows pulled before L1
 // (dispatch.cuh dispatch_pull), 1 for those pulled during it (pull_rows_during_l1). Against the L2
 // tiles' records this shows whether the scatter (L2 epilogues) and the pull ever use the links at
-// once (tools/tile_timeline.py). Lane 0 of every warp, after the pull loop, outside the GEMM regions.
+// once (tools/tile_timeline.py). Lane 0 of every warp, after its pull loop: part 0 outside the GEMM
+// regions, part 1 inside the producer warpgroup's L1 region (its puller warps, kernel.cuh).
 __device__ __forceinline__ void record_pull_end(const KernelParams& p, int part) {
   if constexpr (kTimeline) {
     if (p.timeline == nullptr || threadIdx.x % 32 != 0) return;
