@@ -42,7 +42,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import re
 import types
 from pathlib import Path
@@ -65,6 +64,7 @@ from .heuristics import (
     smem_bytes,
 )
 from .paths import CONFIGS_DIR
+from . import settings
 
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -343,7 +343,7 @@ def _load(gpu_name: str, configs_dir: str) -> Optional[ConfigTable]:
 
 def _dir_key(configs_dir: Union[str, Path, None]) -> str:
     if configs_dir is None:
-        configs_dir = os.environ.get("MEGAMOE_CONFIGS_DIR") or CONFIGS_DIR
+        configs_dir = settings.configs_dir() or CONFIGS_DIR
     return str(Path(configs_dir))
 
 

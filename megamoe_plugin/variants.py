@@ -1,44 +1,22 @@
 """Which kernel variant a call runs: the shipped tuned table, else the heuristic, with
-MEGAMOE_BLOCK_M / MEGAMOE_NUM_STAGES forcing the tier and depth (variant_for; ops.select_variant
+MEGAMOE_BLOCK_M / MEGAMOE_NUM_STAGES (settings) forcing the tier and depth (variant_for; ops.select_variant
 memoizes it per call shape), and every variant a deployment's calls select
 (deployment_variants: what `python -m megamoe_plugin.jit --build` pre-builds). One selection
 for both, so a pre-built cache holds exactly what the calls load."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Iterable, List, Optional, Sequence
 
 from .buffer import BufferShape
 from .heuristics import NUMERICS_MODES
 from .jit import KernelVariant
 from .model_config import MoEShape
+from .settings import forced_block_m, forced_num_stages
 
-
-def block_m_from_env() -> Optional[int]:
-    """MEGAMOE_BLOCK_M: run every call with this tier (measuring tiers, testing them)."""
-    from .heuristics import IMPLEMENTED_BLOCK_M
-
-    value = os.environ.get("MEGAMOE_BLOCK_M")
-    if not value:
-        return None
-    if not value.isdigit() or int(value) not in IMPLEMENTED_BLOCK_M:
-        raise ValueError(f"MEGAMOE_BLOCK_M must be one of the implemented tiers {IMPLEMENTED_BLOCK_M}, got {value!r}")
-    return int(value)
-
-
-def num_stages_from_env() -> Optional[int]:
-    """MEGAMOE_NUM_STAGES: run every call with this pipeline depth (measuring depths; the
-    tuning sweep forces each candidate config with it and MEGAMOE_BLOCK_M). variant_for
-    checks that it fits the tier in shared memory."""
-    from .heuristics import MIN_STAGES
-
-    value = os.environ.get("MEGAMOE_NUM_STAGES")
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < MIN_STAGES:
-        raise ValueError(f"MEGAMOE_NUM_STAGES must be an integer >= {MIN_STAGES}, got {value!r}")
-    return int(value)
+# ops.select_variant and tests/test_ops_validation.py still read the forced tier and depth by
+# these names; settings parses them.
+block_m_from_env, num_stages_from_env = forced_block_m, forced_num_stages
 
 
 def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math: bool, numerics: str,
@@ -82,6 +60,6 @@ def deployment_variants(shape: MoEShape, ep_size: int, batch_sizes: Iterable[int
     counts = sorted(set(int(n) for n in batch_sizes))
     buffer_shape = BufferShape(ep_size, shape.num_experts, max(counts[-1], 1), shape.num_topk, shape.hidden,
                                shape.intermediate_size)
-    forced = (block_m_from_env(), num_stages_from_env())
+    forced = (forced_block_m(), forced_num_stages())
     return list(dict.fromkeys(variant_for(buffer_shape, gpu, _ANY_GRID_SIZE, n, fast_math, mode, *forced)
                               for mode in numerics for n in counts))
