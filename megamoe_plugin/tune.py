@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
+from .buffer import BufferShape
 from .configs import (
     REFERENCE_SHAPES,
     REFERENCE_TOKENS_PER_RANK,
@@ -49,7 +50,6 @@ from .configs import (
     validate_table,
 )
 from .heuristics import (
-    BLOCK_K,
     DEFAULT_NUMERICS,
     IMPLEMENTED_BLOCK_M,
     MAX_STAGES,
@@ -391,19 +391,22 @@ def _modes(text: str) -> Tuple[str, ...]:
 
 
 def _shapes(text: str) -> Dict[str, TableShape]:
-    """Names from SHAPES, or LOCALxHIDDENxINTERxTOPK (e.g. 128x2048x768x8)."""
+    """Names from SHAPES, or LOCALxHIDDENxINTERxTOPK (e.g. 128x2048x768x8) within the kernel's
+    limits (buffer.BufferShape, at one rank as the sweep runs it)."""
     shapes = {}
     for item in text.split(","):
         if item in SHAPES:
             shapes[item] = SHAPES[item]
             continue
         parts = item.split("x")
-        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        if len(parts) != 4 or not all(p.isascii() and p.isdigit() and int(p) > 0 for p in parts):
             raise argparse.ArgumentTypeError(f"unknown shape {item!r}: give one of {', '.join(SHAPES)} or "
                                              "local_experts x hidden x intermediate x top-k, e.g. 128x2048x768x8")
         shape = TableShape(*map(int, parts))
-        if shape.hidden % BLOCK_K or shape.intermediate_size % BLOCK_K:
-            raise argparse.ArgumentTypeError(f"shape {item!r}: hidden and intermediate must be multiples of {BLOCK_K}")
+        try:
+            BufferShape(1, shape.num_local_experts, 1, shape.num_topk, shape.hidden, shape.intermediate_size)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"shape {item!r}: {exc}") from None
         shapes[item] = shape
     return shapes
 

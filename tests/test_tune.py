@@ -234,7 +234,17 @@ def test_main_times_and_writes_the_table_with_its_command_and_date(monkeypatch, 
     (["--stages", "1"], "argument --stages: 1 is not an integer >= 2"),
     (["--iters", "0"], "argument --iters: expected an integer >= 1, got '0'"),
     (["--shapes", "v5"], "argument --shapes: unknown shape 'v5'"),
-    (["--shapes", "32x4000x2048x8"], "argument --shapes: shape '32x4000x2048x8': hidden and intermediate must be"),
+    (["--shapes", "32x4000x2048x8"],
+     "argument --shapes: shape '32x4000x2048x8': hidden=4000 is invalid: expected a positive multiple of 128"),
+    (["--shapes", "32x4096x2000x8"],
+     "argument --shapes: shape '32x4096x2000x8': intermediate_size=2000 is invalid: expected a positive multiple of 128"),
+    # The kernel's limits (docs/design.md section 2): 1 <= K <= min(16, E), E/R <= 512.
+    (["--shapes", "128x2048x768x99"], "argument --shapes: shape '128x2048x768x99': num_topk=99 is invalid: expected "
+                                      "in [1, 16]"),
+    (["--shapes", "4x2048x768x8"], "argument --shapes: shape '4x2048x768x8': num_topk=8 is invalid: expected <= "
+                                   "num_experts=4"),
+    (["--shapes", "1024x2048x768x8"], "argument --shapes: shape '1024x2048x768x8': num_experts=1024 is invalid: "
+                                      "expected at most 512 experts per rank"),
     (["--dry-run", "--compile-only"], "argument --compile-only: not allowed with argument --dry-run"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
