@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import megamoe_plugin as mm
+from kernel_stand_ins import compiles, fresh_toolchain, stand_in_toolchain  # noqa: F401
 from megamoe_plugin import jit, ops, progress
 from megamoe_plugin.jit import cli, command
 from megamoe_plugin.variants import deployment_variants
@@ -20,17 +21,6 @@ from megamoe_plugin.model_config import MoEShape, shape_from_args
 HAVE_NVCC = shutil.which("nvcc") is not None or os.path.exists(os.path.join(jit.STANDARD_CUDA_HOME, "bin", "nvcc"))
 TINY = MoEShape(hidden=384, intermediate_size=256, num_experts=4, num_topk=2, name="tiny")
 TINY_ARGS = ["--hidden", "384", "--intermediate-size", "256", "--num-experts", "4", "--topk", "2"]
-
-
-@pytest.fixture
-def fresh_toolchain():
-    """The toolchain look-ups are memoized per process: forget what a test changed."""
-    memoized = (jit.cutlass_include_dir, jit.cutlass_version, jit.nvcc_version)
-    for fn in memoized:
-        fn.cache_clear()
-    yield
-    for fn in memoized:
-        fn.cache_clear()
 
 
 def build_command_variants(command_line):
@@ -44,28 +34,23 @@ def build_command_variants(command_line):
                                      tuple(args.numerics.split(",")), args.fast_math)
 
 
-def test_cache_key_needs_no_toolkit_and_each_toolchain_has_its_build(jit_cache, fresh_toolchain, fake_build,
-                                                                      monkeypatch, tmp_path):
-    """The entry is found from the sources, instantiation and flags alone; inside it, the
-    build is per toolchain, so new CUTLASS headers (or a new nvcc) do not reuse an old cubin
-    where they can compile, while a machine without them takes the newest build there is."""
+def test_cache_key_needs_no_toolkit_and_each_toolchain_has_its_build(jit_cache, stand_in_toolchain, request):
+    """The entry is found from the sources, instantiation and flags alone; inside it, the build
+    is per toolchain, so new CUTLASS headers (or a new nvcc) do not reuse an old cubin where they
+    can compile, while a machine without them takes the newest toolchain's build that verifies."""
     variant = jit.KernelVariant(384, 256, 2, 4, 1, 8, 2, True)
-    include = tmp_path / "cutlass" / "include"
-    (include / "cutlass").mkdir(parents=True)
-    nvcc = tmp_path / "nvcc"
-    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
-    nvcc.chmod(0o755)
-    old, new = fake_build(variant, "nvcc12.8.93-cutlass4.2.0"), fake_build(variant, "nvcc12.8.93-cutlass4.10.1")
-    monkeypatch.setenv("MEGAMOE_NVCC", str(nvcc))
-    monkeypatch.setenv("MEGAMOE_CUTLASS_INCLUDE", str(include))
-    for version, expected in (("4 2 0", old), ("4 10 1", new), ("4 3 0", None)):
-        (include / "cutlass" / "version.h").write_text("".join(
-            f"#define CUTLASS_{part} {n}\n" for part, n in zip(("MAJOR", "MINOR", "PATCH"), version.split())))
-        jit.cutlass_version.cache_clear()  # the same include folder, other headers
-        toolchain, _ = jit.find_toolchain()
-        assert toolchain.build_name() == f"nvcc12.8.93-cutlass{version.replace(' ', '.')}"
-        assert jit.cached_build(variant, toolchain) == expected
-    assert jit.cached_build(variant, None) == new  # 4.10.1 is newer than 4.2.0 (numbers, not text)
+    built = {}
+    for cutlass in ("4.2.0", "4.10.1"):
+        stand_in_toolchain(cutlass_version=cutlass)
+        built[cutlass] = jit.compile_variant(variant).cubin
+        assert built[cutlass] == jit.entry_dir(variant) / f"nvcc12.8.93-cutlass{cutlass}" / "kernel.cubin"
+    calls = stand_in_toolchain(cutlass_version="4.2.0")
+    assert jit.compile_variant(variant).cubin == built["4.2.0"] and compiles(calls) == 0
+    stand_in_toolchain(cutlass_version="4.3.0")
+    assert jit.variants_to_compile([variant]) == [variant]
+    request.getfixturevalue("no_nvcc")
+    assert jit.missing_variants([variant])[0] == []
+    assert jit.compile_variant(variant).cubin == built["4.10.1"]  # 4.10.1 is newer than 4.2.0 (numbers, not text)
     assert jit.entry_dir(variant) == jit_cache / f"{variant.name()}_{jit.cache_key(variant)}"
 
 
@@ -80,8 +65,8 @@ def test_build_then_load_without_nvcc(jit_cache, fresh_toolchain, request):
     assert "1 of 1 variants built in " + str(jit_cache) in proc.stdout
     (variant,) = deployment_variants(TINY, 1, [1], command.DEFAULT_GPU, ("fast",))
     toolchain, _ = jit.find_toolchain()
-    built = jit.cached_build(variant, toolchain)
-    assert built is not None and built.parent == jit.entry_dir(variant)
+    built = jit.entry_dir(variant) / toolchain.build_name()
+    assert (built / "kernel.cubin").exists()
 
     request.getfixturevalue("no_nvcc")
     compiled = jit.compile_variant(variant)

@@ -1,15 +1,20 @@
 """Run-time specialization of the kernel: nvcc to an sm_90a cubin, cached on disk.
 
 A cache entry is a folder named by the variant and a key, a hash of what the cubin computes:
-every kernel source, the generated instantiation and the nvcc flags. Inside it, one build
-per toolchain, in a folder named by nvcc's version and the CUTLASS headers' version
-(`nvcc13.0.88-cutlass4.2.0`). Where both are found, a variant uses its own toolchain's
-build (compiling it if missing), so a changed source, header or toolkit never reuses a
-stale cubin. Where they are not (a serving container has the driver, not the toolkit), any
-build of the key loads, the newest toolchain first: a cache folder pre-built with
+every kernel source, the generated instantiation and the nvcc flags. Inside it, one build per
+toolchain, in a folder named by nvcc's version and the CUTLASS headers' version
+(`nvcc13.0.88-cutlass4.2.0`), with a manifest
+of its cubin (megamoe_plugin.jit.cache: a cache folder is code, so a build loads only from a
+folder no other user can write, and only where its manifest verifies).
+
+Where nvcc and the CUTLASS headers are found, a variant uses its own toolchain's build,
+compiling it if missing or if it fails verification, so a changed source, header or toolkit
+never reuses a stale cubin. Where they are not (a serving container has the driver, not the
+toolkit), the build of the newest toolchain that verifies loads: a cache folder pre-built with
 `python -m megamoe_plugin.jit --build` (megamoe_plugin.variants picks the variants,
-megamoe_plugin.jit.build compiles them) and copied there as MEGAMOE_CACHE_DIR runs without nvcc; a variant it lacks raises KernelMissingError, which
-names the --build command.
+megamoe_plugin.jit.build compiles them) and copied there as MEGAMOE_CACHE_DIR runs without
+nvcc. A variant it lacks raises KernelMissingError, one whose builds all fail verification
+UnverifiedBuildError; both name the --build command.
 
 Several ranks may compile the same variant at once: each compiles into its own temp
 directory and atomically renames the build into place.
@@ -25,6 +30,7 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import logging
 import os
 import re
 import shutil
@@ -33,13 +39,18 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from ..buffer import SIGNAL_WORDS, BufferShape, window_loop
 from ..heuristics import DEFAULT_NUMERICS, REBALANCED_BLOCK_M, implemented_block_m
 from ..paths import CSRC_DIR, cache_dir
 from ..timeline import MAX_TILES as TIMELINE_MAX_TILES, PULL_SLOT as TIMELINE_PULL_SLOT, RECORDS as TIMELINE_RECORDS
 from ..timeline import SLOTS as TIMELINE_SLOTS, WORDS as TIMELINE_WORDS
+from . import cache
+# What compile_variant raises besides KernelMissingError, as megamoe_plugin.jit's.
+from .cache import UntrustedCacheError  # noqa: F401
+
+_log = logging.getLogger(__name__)
 
 KERNEL_NAME = "megamoe_fused_kernel"
 # Windowed variants' second entry (csrc/megamoe/kernel.cuh mega_moe_windows), launched after the first.
@@ -168,11 +179,7 @@ class Toolchain:
 
     def build_name(self) -> str:
         """The folder of this toolchain's build inside a cache entry."""
-        return _file_name_safe(f"nvcc{nvcc_version(self.nvcc)}-cutlass{cutlass_version(self.cutlass_include)}")
-
-
-def _file_name_safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.+-]+", "_", text)
+        return cache.build_name(nvcc_version(self.nvcc), cutlass_version(self.cutlass_include))
 
 
 def find_toolchain() -> Tuple[Optional[Toolchain], str]:
@@ -213,19 +220,12 @@ def entry_dir(variant: KernelVariant) -> Path:
     return cache_dir() / f"{variant.name()}_{cache_key(variant)}"
 
 
-def _version_order(build: Path) -> Tuple:
-    return tuple(int(n) for n in re.findall(r"\d+", build.name))
-
-
-def cached_build(variant: KernelVariant, toolchain: Optional[Toolchain]) -> Optional[Path]:
-    """The build folder (holding kernel.cubin) to load for `variant`: `toolchain`'s own build,
-    or, without a toolchain, the build of the newest toolchain there is; None if none."""
-    entry = entry_dir(variant)
+def _has_build(variant: KernelVariant, toolchain: Optional[Toolchain]) -> bool:
+    """Whether the cache holds a build of `variant` to load (verified as it loads): `toolchain`'s
+    own, or, without a toolchain, any."""
     if toolchain is not None:
-        build = entry / toolchain.build_name()
-        return build if (build / "kernel.cubin").exists() else None
-    builds = [b for b in entry.iterdir() if (b / "kernel.cubin").exists()] if entry.is_dir() else []
-    return max(builds, key=_version_order) if builds else None
+        return (entry_dir(variant) / toolchain.build_name() / cache.CUBIN).exists()
+    return bool(cache.builds(entry_dir(variant)))
 
 
 class KernelMissingError(RuntimeError):
@@ -234,19 +234,33 @@ class KernelMissingError(RuntimeError):
 
     def __init__(self, variants: List[KernelVariant], why: str, command: str):
         names = ", ".join(v.name() for v in variants)
-        super().__init__(
-            f"megamoe: no cubin for kernel variant(s) {names} in {cache_dir()} (MEGAMOE_CACHE_DIR), and none can be "
-            f"compiled here ({why.removeprefix('megamoe: ')}). Pre-build them on a machine with the CUDA toolkit "
-            f"and megamoe_plugin[cutlass], then copy that folder here as MEGAMOE_CACHE_DIR:\n    {command}")
+        self._init(variants, command, f"no cubin for kernel variant(s) {names} in {cache_dir()} (MEGAMOE_CACHE_DIR)",
+                   why)
+
+    def _init(self, variants: List[KernelVariant], command: str, what: str, why: str) -> None:
+        RuntimeError.__init__(
+            self, f"megamoe: {what}, and none can be compiled here ({why.removeprefix('megamoe: ')}). Pre-build "
+            f"them on a machine with the CUDA toolkit and megamoe_plugin[cutlass], then copy that folder here as "
+            f"MEGAMOE_CACHE_DIR:\n    {command}")
         self.variants = variants
         self.command = command
+
+
+class UnverifiedBuildError(KernelMissingError):
+    """A variant whose every build in the cache fails verification against its manifest
+    (`problems`: build folder -> why), where nothing can rebuild it. --build replaces such builds."""
+
+    def __init__(self, variant: KernelVariant, problems: Dict[Path, str], why: str, command: str):
+        refused = "; ".join(f"{build / cache.CUBIN}: {problem}" for build, problem in problems.items())
+        self._init([variant], command, f"refusing to load kernel variant {variant.name()} ({refused})", why)
+        self.problems = problems
 
 
 def variants_to_compile(variants: List[KernelVariant]) -> List[KernelVariant]:
     """The variants that compile_variant would compile: no build of this toolchain in the cache
     (without a toolchain, no build at all; compile_variant then raises for them)."""
     toolchain, _ = find_toolchain()
-    return [v for v in variants if cached_build(v, toolchain) is None]
+    return [v for v in variants if not _has_build(v, toolchain)]
 
 
 def missing_variants(variants: List[KernelVariant]) -> Tuple[List[KernelVariant], str]:
@@ -276,46 +290,60 @@ def smem_bytes_of(variant: KernelVariant) -> int:
 
 
 def compile_variant(variant: KernelVariant, verbose: bool = False) -> CompiledKernel:
-    """Returns the cached cubin for `variant`, compiling it first if needed (and possible:
-    else KernelMissingError)."""
+    """The cubin of `variant`, verified against its manifest. With a toolchain: its own build,
+    compiled first if missing or failing verification. Without one: the build of the newest toolchain that verifies (others are named in the log), else
+    KernelMissingError (no build) or UnverifiedBuildError (none verifies). A cache that other
+    users can write raises UntrustedCacheError."""
     toolchain, why = find_toolchain()
-    build = cached_build(variant, toolchain)
-    if build is None and toolchain is None:
-        from .command import build_command
+    key, entry = cache_key(variant), entry_dir(variant)
+    if toolchain is not None:
+        build = entry / toolchain.build_name()
+        if (build / cache.CUBIN).exists():
+            problem = cache.build_problem(build, key)
+            if not problem:
+                return _loaded(variant, build)
+            _log.warning("megamoe: rebuilding %s: %s", build / cache.CUBIN, problem)
+        return _loaded(variant, _compile(variant, toolchain, key, verbose))
+    verified, problems = cache.check_builds(entry, key)
+    for build, problem in problems.items():
+        _log.warning("megamoe: not loading %s: %s", build / cache.CUBIN, problem)
+    if verified:
+        return _loaded(variant, max(verified, key=lambda build: verified[build].toolchain_order()))
+    from .command import build_command
 
-        raise KernelMissingError([variant], why, build_command(
-            variant.hidden, variant.intermediate_size, variant.num_experts, variant.num_topk, variant.num_ranks,
-            numerics=(variant.numerics,), fast_math=variant.fast_math))
-    if build is None:
-        build = _compile(variant, toolchain, verbose)
-    log_path = build / "ptxas.log"
-    return CompiledKernel(variant, build / "kernel.cubin", log_path.read_text() if log_path.exists() else "")
+    command = build_command(variant.hidden, variant.intermediate_size, variant.num_experts, variant.num_topk,
+                            variant.num_ranks, numerics=(variant.numerics,), fast_math=variant.fast_math)
+    if problems:
+        raise UnverifiedBuildError(variant, problems, why, command)
+    raise KernelMissingError([variant], why, command)
 
 
-def _compile(variant: KernelVariant, toolchain: Toolchain, verbose: bool) -> Path:
-    entry = entry_dir(variant)
+def _loaded(variant: KernelVariant, build: Path) -> CompiledKernel:
+    log_path = build / cache.PTXAS_LOG
+    return CompiledKernel(variant, build / cache.CUBIN, log_path.read_text() if log_path.exists() else "")
+
+
+def _compile(variant: KernelVariant, toolchain: Toolchain, key: str, verbose: bool) -> Path:
+    """Compiles `variant` into its toolchain's build folder (replacing one that fails verification)."""
+    root, entry = cache_dir(), entry_dir(variant)
     build = entry / toolchain.build_name()
-    entry.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".build_") as tmp:
+    root.mkdir(mode=0o755, parents=True, exist_ok=True)
+    entry.mkdir(mode=0o755, exist_ok=True)
+    cache.refuse_untrusted(root, entry)
+    with tempfile.TemporaryDirectory(dir=root, prefix=".build_") as tmp:
         tmp = Path(tmp)
-        src = tmp / "kernel.cu"
+        src, cubin = tmp / "kernel.cu", tmp / cache.CUBIN
         src.write_text(variant.source())
         cmd = [toolchain.nvcc, *nvcc_flags(), "-cubin", "-I", str(CSRC_DIR), "-I", toolchain.cutlass_include, "-o",
-               str(tmp / "kernel.cubin"), str(src)]
+               str(cubin), str(src)]
         if verbose:
             print(f"megamoe: compiling {variant.name()} ...", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"megamoe: nvcc failed for {variant.name()}:\n{proc.stderr[-8000:]}")
-        staged = tmp / "final"
-        staged.mkdir()
-        shutil.move(str(tmp / "kernel.cubin"), staged / "kernel.cubin")
-        (staged / "ptxas.log").write_text(proc.stderr)
-        try:
-            os.rename(staged, build)  # atomic; loses harmlessly to a concurrent compile
-        except OSError:
-            if not (build / "kernel.cubin").exists():
-                raise
+        manifest = cache.Manifest(key, nvcc_version(toolchain.nvcc), cutlass_version(toolchain.cutlass_include),
+                                  nvcc_flags(), *cache.digest(cubin))
+        cache.install(cache.stage_build(tmp, cubin, proc.stderr, manifest), build, key)
     return build
 
 

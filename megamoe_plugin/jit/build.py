@@ -9,8 +9,8 @@ from ..progress import progress_bar
 from . import KernelVariant, compile_variants
 
 def build_variants(variants: List[KernelVariant]) -> List[Tuple[KernelVariant, Exception]]:
-    """Compiles (one nvcc per CPU) whichever of `variants` the cache lacks, with a progress
-    bar; returns the failures."""
+    """Compiles (one nvcc per CPU) whichever of `variants` the cache lacks, or holds only in a
+    build that fails verification (replaced), with a progress bar; returns the failures."""
     progress = progress_bar(len(variants), "megamoe: building kernels", "variant")
     failures, lock = [], threading.Lock()
 

@@ -25,7 +25,9 @@ def parser() -> argparse.ArgumentParser:
 --build compiles every variant that the runtime's selection (the GPU's tuned table, else
 the heuristics; MEGAMOE_BLOCK_M / MEGAMOE_NUM_STAGES as set) picks for the shape on
 --ep-size ranks at each batch size, in each numerics mode. Copy the folder to the serving
-machine and point MEGAMOE_CACHE_DIR at it: the kernel then loads without nvcc.""")
+machine and point MEGAMOE_CACHE_DIR at it: the kernel then loads without nvcc. The folder is
+code: the serving process refuses one that other users can write, and any cubin that its
+build's manifest does not vouch for (--build replaces those).""")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true",
                       help="compile every reference variant (docs/design.md section 8) and print its registers, "
