@@ -2,9 +2,9 @@
 
 An installed wheel carries them inside the package (setup.py maps csrc/ and configs/ to
 megamoe_plugin/_csrc and megamoe_plugin/_configs); a source checkout or an editable install
-uses the repository's own csrc/ and configs/.
+uses the repository's own csrc/ and configs/. (The kernel cache's folder, MEGAMOE_CACHE_DIR,
+is megamoe_plugin.settings.cache_dir.)
 """
-import os
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -18,8 +18,3 @@ def _installed_or_source(installed: Path, source: Path) -> Path:
 CSRC_DIR = _installed_or_source(PACKAGE_DIR / "_csrc", REPO_DIR / "csrc")
 CONFIGS_DIR = _installed_or_source(PACKAGE_DIR / "_configs", REPO_DIR / "configs")
 
-
-def cache_dir() -> Path:
-    """The compiled-kernel cache (megamoe_plugin.jit): MEGAMOE_CACHE_DIR, else ~/.cache/megamoe_plugin."""
-    env = os.environ.get("MEGAMOE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "megamoe_plugin"

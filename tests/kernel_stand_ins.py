@@ -61,8 +61,10 @@ echo "ptxas info    : Used 168 registers, 0 bytes spill stores, 0 bytes spill lo
 
 
 def write_cutlass_headers(include: Path, version: str) -> None:
-    """cutlass/version.h of CUTLASS `version` ("4.2.0") in the include folder `include`."""
+    """cutlass/cutlass.h and the version.h of CUTLASS `version` ("4.2.0") in the include folder
+    `include`."""
     (include / "cutlass").mkdir(parents=True, exist_ok=True)
+    (include / "cutlass" / "cutlass.h").write_text("")
     (include / "cutlass" / "version.h").write_text("".join(
         f"#define CUTLASS_{part} {n}\n" for part, n in zip(("MAJOR", "MINOR", "PATCH"), version.split("."))))
 

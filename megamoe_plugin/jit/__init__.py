@@ -1,23 +1,25 @@
 """Run-time specialization of the kernel: nvcc to an sm_90a cubin, cached on disk.
 
 A cache entry is a folder named by the variant and a key, a hash of what the cubin computes:
-every kernel source, the generated instantiation and the nvcc flags. Inside it, one build per
-toolchain, in a folder named by nvcc's version and the CUTLASS headers' version
-(`nvcc13.0.88-cutlass4.2.0`), with a manifest
+every kernel source, the generated instantiation and the nvcc flags (NVCC_PREPEND_FLAGS and
+NVCC_APPEND_FLAGS among them, where set). Inside it, one build per toolchain, in a folder named
+by nvcc's version and the CUTLASS headers' version (`nvcc13.0.88-cutlass4.2.0`), with a manifest
 of its cubin (megamoe_plugin.jit.cache: a cache folder is code, so a build loads only from a
 folder no other user can write, and only where its manifest verifies).
 
-Where nvcc and the CUTLASS headers are found, a variant uses its own toolchain's build,
-compiling it if missing or if it fails verification, so a changed source, header or toolkit
-never reuses a stale cubin. Where they are not (a serving container has the driver, not the
-toolkit), the build of the newest toolchain that verifies loads: a cache folder pre-built with
+Where this process can compile (nvcc and the CUTLASS headers found, the cache folder writable),
+a variant uses its own toolchain's build, compiling it if missing or if it fails verification,
+so a changed source, header or toolkit never reuses a stale cubin. Where it cannot (a serving
+container has the driver, not the toolkit; a pre-built cache may be mounted read-only), the
+build of the newest toolchain that verifies loads: a cache folder pre-built with
 `python -m megamoe_plugin.jit --build` (megamoe_plugin.variants picks the variants,
 megamoe_plugin.jit.build compiles them) and copied there as MEGAMOE_CACHE_DIR runs without
 nvcc. A variant it lacks raises KernelMissingError, one whose builds all fail verification
 UnverifiedBuildError; both name the --build command.
 
 Several ranks may compile the same variant at once: each compiles into its own temp
-directory and atomically renames the build into place.
+directory and atomically renames the build into place. nvcc runs at most
+MEGAMOE_NVCC_TIMEOUT_S seconds (default 900).
 
 `python -m megamoe_plugin.jit --check` compiles every variant the heuristics can pick
 for the reference configs of docs/design.md section 8 (no GPU needed) and prints registers,
@@ -34,21 +36,20 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from ..buffer import SIGNAL_WORDS, BufferShape, window_loop
 from ..heuristics import DEFAULT_NUMERICS, REBALANCED_BLOCK_M, implemented_block_m
-from ..paths import CSRC_DIR, cache_dir
+from ..paths import CSRC_DIR
+from ..settings import cache_dir, cutlass_include, nvcc as chosen_nvcc
 from ..timeline import MAX_TILES as TIMELINE_MAX_TILES, PULL_SLOT as TIMELINE_PULL_SLOT, RECORDS as TIMELINE_RECORDS
 from ..timeline import SLOTS as TIMELINE_SLOTS, WORDS as TIMELINE_WORDS
 from . import cache
 # What compile_variant raises besides KernelMissingError, as megamoe_plugin.jit's.
-from .cache import UntrustedCacheError  # noqa: F401
+from .cache import CacheWriteError, NvccError, NvccTimeoutError, UntrustedCacheError  # noqa: F401
 
 _log = logging.getLogger(__name__)
 
@@ -127,10 +128,21 @@ STANDARD_CUDA_HOME = "/usr/local/cuda"
 
 
 def find_nvcc() -> str:
+    """The nvcc to compile with: MEGAMOE_NVCC where set (that one, or a ValueError naming it: never
+    another), else the one on PATH, in CUDA_HOME or in the standard place. It must run: an nvcc
+    whose `--version` fails raises NvccError (MEGAMOE_NVCC's, ValueError)."""
+    chosen = chosen_nvcc()
+    if chosen:
+        try:
+            nvcc_version(chosen)
+        except NvccError as exc:
+            raise ValueError(f"MEGAMOE_NVCC must be the path of an nvcc executable, got {chosen!r}: "
+                             f"{str(exc).removeprefix('megamoe: ')}") from None
+        return chosen
     cuda_homes = (os.environ.get("CUDA_HOME"), STANDARD_CUDA_HOME)
-    for candidate in (os.environ.get("MEGAMOE_NVCC"), shutil.which("nvcc"),
-                      *(os.path.join(home, "bin", "nvcc") for home in cuda_homes if home)):
+    for candidate in (shutil.which("nvcc"), *(os.path.join(home, "bin", "nvcc") for home in cuda_homes if home)):
         if candidate and os.path.exists(candidate):
+            nvcc_version(candidate)
             return candidate
     raise RuntimeError("megamoe: nvcc not found (needed once per kernel variant); install the CUDA toolkit "
                        "or set MEGAMOE_NVCC")
@@ -138,16 +150,18 @@ def find_nvcc() -> str:
 
 @functools.lru_cache(maxsize=None)
 def nvcc_version(nvcc: str) -> str:
-    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    match = re.search(r"V(\d+\.\d+\.\d+)", out)
-    return match.group(1) if match else out.strip().splitlines()[-1]
+    proc = cache.run_nvcc([nvcc, "--version"], f"for `{nvcc} --version`")
+    if proc.returncode != 0:
+        raise NvccError(f"megamoe: `{nvcc} --version` exited with status {proc.returncode}")
+    match = re.search(r"V(\d+\.\d+\.\d+)", proc.stdout)
+    return match.group(1) if match else proc.stdout.strip().splitlines()[-1]
 
 
 @functools.lru_cache(maxsize=None)
 def cutlass_include_dir() -> str:
-    env = os.environ.get("MEGAMOE_CUTLASS_INCLUDE")
-    if env:
-        return env
+    chosen = cutlass_include()
+    if chosen:
+        return chosen
     try:
         import cutlass_library
     except ImportError as exc:
@@ -183,12 +197,28 @@ class Toolchain:
 
 
 def find_toolchain() -> Tuple[Optional[Toolchain], str]:
-    """(nvcc and the CUTLASS headers, ""), or (None, why not) where either is missing: then
-    nothing here can compile."""
+    """(nvcc and the CUTLASS headers, "") where this process can compile into the cache folder,
+    which it creates if missing. Else (None, why not): either is missing, or the folder is
+    read-only to this process (a pre-built cache mounted read-only, or root's); then nothing
+    here can compile, and the builds there that verify load. Raises ValueError for a setting
+    that cannot work (MEGAMOE_NVCC, MEGAMOE_CUTLASS_INCLUDE, MEGAMOE_NVCC_TIMEOUT_S,
+    MEGAMOE_CACHE_DIR)."""
     try:
-        return Toolchain(find_nvcc(), cutlass_include_dir()), ""
+        toolchain = Toolchain(find_nvcc(), cutlass_include_dir())
+        toolchain.build_name()  # the CUTLASS headers' version is readable
     except RuntimeError as exc:
         return None, str(exc)
+    root = cache_dir()
+    problem = cache.cache_dir_problem(root)
+    if problem:
+        setting = os.environ.get("MEGAMOE_CACHE_DIR")
+        raise ValueError(f"MEGAMOE_CACHE_DIR must be a folder this process can create, got {setting!r}: {problem}"
+                         if setting else f"the default kernel cache {root} cannot be used: {problem}; set "
+                         "MEGAMOE_CACHE_DIR to a folder this process can create")
+    if not os.access(root, os.W_OK):
+        return None, (f"megamoe: the kernel cache {root} is read-only to this process: nothing compiles into it "
+                      "(MEGAMOE_CACHE_DIR can name a folder it can write)")
+    return toolchain, ""
 
 
 def nvcc_flags() -> List[str]:
@@ -205,11 +235,22 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
+# nvcc adds these variables' flags to every command line: they change the cubin as flags do.
+NVCC_ENV_FLAGS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")
+
+
+def nvcc_env_flags() -> List[str]:
+    """NAME=value of each of NVCC_ENV_FLAGS set here."""
+    return [f"{name}={os.environ[name]}" for name in NVCC_ENV_FLAGS if os.environ.get(name)]
+
+
 def cache_key(variant: KernelVariant) -> str:
     """What the cubin computes: the kernel sources, the instantiation and the flags (the
-    toolchain names the build inside the entry, so that a lookup needs no toolkit)."""
+    toolchain names the build inside the entry, so that a lookup needs no toolkit). The flags
+    from the environment count only where set, so the key of a build without them is the same
+    as before they counted."""
     h = hashlib.sha256()
-    for part in (_sources_digest(), variant.source(), " ".join(nvcc_flags())):
+    for part in (_sources_digest(), variant.source(), " ".join(nvcc_flags()), *nvcc_env_flags()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:24]
@@ -258,14 +299,14 @@ class UnverifiedBuildError(KernelMissingError):
 
 def variants_to_compile(variants: List[KernelVariant]) -> List[KernelVariant]:
     """The variants that compile_variant would compile: no build of this toolchain in the cache
-    (without a toolchain, no build at all; compile_variant then raises for them)."""
+    (where nothing can compile, no build at all; compile_variant then raises for them)."""
     toolchain, _ = find_toolchain()
     return [v for v in variants if not _has_build(v, toolchain)]
 
 
 def missing_variants(variants: List[KernelVariant]) -> Tuple[List[KernelVariant], str]:
     """(the variants that cannot be loaded here, why): those without a cached build where
-    nothing can compile; none where a toolchain is found."""
+    nothing can compile; none where something can."""
     toolchain, why = find_toolchain()
     return ([], "") if toolchain is not None else (variants_to_compile(variants), why)
 
@@ -290,8 +331,9 @@ def smem_bytes_of(variant: KernelVariant) -> int:
 
 
 def compile_variant(variant: KernelVariant, verbose: bool = False) -> CompiledKernel:
-    """The cubin of `variant`, verified against its manifest. With a toolchain: its own build,
-    compiled first if missing or failing verification. Without one: the build of the newest toolchain that verifies (others are named in the log), else
+    """The cubin of `variant`, verified against its manifest. Where this process can compile:
+    its toolchain's own build, compiled first if missing or failing verification. Where it
+    cannot: the build of the newest toolchain that verifies (others are named in the log), else
     KernelMissingError (no build) or UnverifiedBuildError (none verifies). A cache that other
     users can write raises UntrustedCacheError."""
     toolchain, why = find_toolchain()
@@ -327,23 +369,27 @@ def _compile(variant: KernelVariant, toolchain: Toolchain, key: str, verbose: bo
     """Compiles `variant` into its toolchain's build folder (replacing one that fails verification)."""
     root, entry = cache_dir(), entry_dir(variant)
     build = entry / toolchain.build_name()
-    root.mkdir(mode=0o755, parents=True, exist_ok=True)
-    entry.mkdir(mode=0o755, exist_ok=True)
-    cache.refuse_untrusted(root, entry)
-    with tempfile.TemporaryDirectory(dir=root, prefix=".build_") as tmp:
-        tmp = Path(tmp)
-        src, cubin = tmp / "kernel.cu", tmp / cache.CUBIN
-        src.write_text(variant.source())
-        cmd = [toolchain.nvcc, *nvcc_flags(), "-cubin", "-I", str(CSRC_DIR), "-I", toolchain.cutlass_include, "-o",
-               str(cubin), str(src)]
-        if verbose:
-            print(f"megamoe: compiling {variant.name()} ...", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"megamoe: nvcc failed for {variant.name()}:\n{proc.stderr[-8000:]}")
-        manifest = cache.Manifest(key, nvcc_version(toolchain.nvcc), cutlass_version(toolchain.cutlass_include),
-                                  nvcc_flags(), *cache.digest(cubin))
-        cache.install(cache.stage_build(tmp, cubin, proc.stderr, manifest), build, key)
+    try:
+        entry.mkdir(mode=0o755, exist_ok=True)
+        cache.refuse_untrusted(root, entry)
+        cache.remove_stale_temp_folders(root)
+        with cache.temp_folder(root) as tmp:
+            tmp = Path(tmp)
+            src, cubin = tmp / "kernel.cu", tmp / cache.CUBIN
+            src.write_text(variant.source())
+            cmd = [toolchain.nvcc, *nvcc_flags(), "-cubin", "-I", str(CSRC_DIR), "-I", toolchain.cutlass_include,
+                   "-o", str(cubin), str(src)]
+            if verbose:
+                print(f"megamoe: compiling {variant.name()} ...", file=sys.stderr, flush=True)
+            proc = cache.run_nvcc(cmd, f"compiling {variant.name()}")
+            if proc.returncode != 0:
+                raise NvccError(f"megamoe: nvcc failed for {variant.name()}:\n{proc.stderr[-8000:]}")
+            manifest = cache.Manifest(key, nvcc_version(toolchain.nvcc), cutlass_version(toolchain.cutlass_include),
+                                      [*nvcc_flags(), *nvcc_env_flags()], *cache.digest(cubin))
+            cache.install(cache.stage_build(tmp, cubin, proc.stderr, manifest), build, key)
+    except OSError as exc:
+        raise CacheWriteError(f"megamoe: cannot write the build of {variant.name()} into the kernel cache {root} "
+                              f"({exc}); MEGAMOE_CACHE_DIR can name a folder this process can write") from exc
     return build
 
 

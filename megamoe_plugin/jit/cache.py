@@ -1,4 +1,4 @@
-"""The kernel cache on disk.
+"""The kernel cache on disk, and nvcc runs that fill it.
 
 A cache folder is code: the serving process loads its cubins next to the model's weights, the
 KV cache and every peer's buffer. So a build loads only from a folder that no other user can
@@ -8,8 +8,8 @@ Layout: <cache folder>/<entry>/<build>/. The entry is named by the variant and i
 cubin computes: megamoe_plugin.jit.cache_key), the build by the toolchain that compiled it
 (`nvcc12.8.93-cutlass4.2.0`). A build holds kernel.cubin, ptxas.log and manifest.json, which
 records the key, the toolchain, the flags and the cubin's sha256 and size. The three are written
-into a temporary `.build_*` folder of the cache and renamed into place together, so a build is
-whole or absent.
+into a temporary `.build_<host>_<pid>_*` folder of the cache and renamed into place together, so
+a build is whole or absent.
 
 Trust (UntrustedCacheError): the cache folder, the entry, the build, the cubin and the manifest
 must each be owned by this process's user or root and writable by neither group nor others.
@@ -25,9 +25,16 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import re
+import shutil
+import signal
+import socket
 import stat
+import subprocess
+import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -35,13 +42,36 @@ CUBIN = "kernel.cubin"
 PTXAS_LOG = "ptxas.log"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
+TEMP_PREFIX = ".build_"
 # Mode bits through which users other than the owner could change a file, or a folder's entries.
 _GROUP_OR_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+NVCC_TIMEOUT_ENV = "MEGAMOE_NVCC_TIMEOUT_S"
+# One nvcc run of the largest variant takes a few minutes on a loaded 2-core machine; a run past
+# this is hung (or the machine is too slow to compile at start-up, which the error says).
+DEFAULT_NVCC_TIMEOUT_S = 900.0
+# The bound that lets remove_stale_temp_folders tell a dead compile's folder by its age.
+MAX_NVCC_TIMEOUT_S = 86400.0
+# Older than this, a temporary folder is no running compile's: twice the longest, a margin for the
+# clocks of other hosts that share the cache folder.
+STALE_TEMP_AGE_S = 2 * MAX_NVCC_TIMEOUT_S
 
 
 class UntrustedCacheError(RuntimeError):
     """A folder or file of the kernel cache that a user other than this process's (and root)
     could change; the message says how to fix it."""
+
+
+class CacheWriteError(RuntimeError):
+    """A build that could not be written into the cache folder."""
+
+
+class NvccError(RuntimeError):
+    """nvcc did not run, or failed."""
+
+
+class NvccTimeoutError(NvccError):
+    """nvcc ran past MEGAMOE_NVCC_TIMEOUT_S and was stopped."""
 
 
 class BuildProblem(Exception):
@@ -74,6 +104,18 @@ class Manifest:
     def toolchain_order(self) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
         """Sorts builds by their toolchain, newest last (as numbers: CUTLASS 4.10.1 after 4.2.0)."""
         return _version_numbers(self.nvcc_version), _version_numbers(self.cutlass_version)
+
+
+def cache_dir_problem(root: Path) -> str:
+    """Why `root` cannot be the cache folder ("" where it can), creating it where missing: it is
+    a file, or it cannot be created (a parent that is a file, /proc, a read-only file system)."""
+    if root.exists() and not root.is_dir():
+        return "it is a file"
+    try:
+        root.mkdir(mode=0o755, parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create it ({exc.strerror})"
+    return ""
 
 
 def refuse_untrusted(*paths: Path) -> None:
@@ -195,7 +237,7 @@ def install(staged: Path, build: Path, key: str) -> None:
     with contextlib.suppress(FileNotFoundError):  # a concurrent compile moved it aside first
         build.rename(staged.with_name("replaced"))
     if not (_rename_folder(staged, build) or not build_problem(build, key)):
-        raise RuntimeError(f"megamoe: could not replace {build}, which fails verification")
+        raise CacheWriteError(f"megamoe: could not replace {build}, which fails verification")
 
 
 def _rename_folder(source: Path, target: Path) -> bool:
@@ -207,3 +249,77 @@ def _rename_folder(source: Path, target: Path) -> bool:
             return False
         raise
     return True
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())
+
+
+_TEMP_NAME = re.compile(rf"{re.escape(TEMP_PREFIX)}(?P<host>[A-Za-z0-9.-]+)_(?P<pid>\d+)_")
+
+
+def temp_folder(root: Path) -> tempfile.TemporaryDirectory:
+    """A temporary folder in the cache folder to compile in, named by this host and process so
+    that remove_stale_temp_folders can tell when its compile is gone."""
+    return tempfile.TemporaryDirectory(dir=root, prefix=f"{TEMP_PREFIX}{_host()}_{os.getpid()}_")
+
+
+def remove_stale_temp_folders(root: Path) -> None:
+    """Removes the temporary folders of compiles that a crash or a kill left behind: those of a
+    process of this host that is gone, and any older than STALE_TEMP_AGE_S (a cache folder may be
+    shared between hosts, whose processes this one cannot see)."""
+    for folder in root.glob(TEMP_PREFIX + "*"):
+        name = _TEMP_NAME.match(folder.name)
+        try:
+            age = time.time() - folder.stat().st_mtime
+        except FileNotFoundError:  # its compile finished meanwhile
+            continue
+        if age > STALE_TEMP_AGE_S or (name and name["host"] == _host() and not _process_exists(int(name["pid"]))):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def nvcc_timeout_s() -> float:
+    """MEGAMOE_NVCC_TIMEOUT_S: the most seconds one nvcc run may take."""
+    value = os.environ.get(NVCC_TIMEOUT_ENV) or None
+    if value is None:
+        return DEFAULT_NVCC_TIMEOUT_S
+    try:
+        timeout = float(value)
+    except ValueError:
+        timeout = math.nan  # refused below, with the range
+    if not 0 < timeout <= MAX_NVCC_TIMEOUT_S:  # also refuses nan and inf
+        raise ValueError(f"{NVCC_TIMEOUT_ENV} must be a number of seconds above 0 and at most {MAX_NVCC_TIMEOUT_S:g} "
+                         f"(default {DEFAULT_NVCC_TIMEOUT_S:g}), got {value!r}")
+    return timeout
+
+
+def run_nvcc(cmd: List[str], doing: str) -> subprocess.CompletedProcess:
+    """Runs nvcc (`cmd`, text output) in a session of its own. Past MEGAMOE_NVCC_TIMEOUT_S the
+    session is killed, nvcc's children (cicc, ptxas) with it, and NvccTimeoutError names `doing`."""
+    timeout = nvcc_timeout_s()
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    except OSError as exc:
+        raise NvccError(f"megamoe: cannot run {cmd[0]} ({exc.strerror})") from None
+    with proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):  # the whole session ended meanwhile
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise NvccTimeoutError(
+                f"megamoe: nvcc ran past {NVCC_TIMEOUT_ENV}={timeout:g} s {doing} and was stopped; on a slow or busy "
+                f"machine, raise {NVCC_TIMEOUT_ENV} (at most {MAX_NVCC_TIMEOUT_S:g})") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -6,6 +6,7 @@ import argparse
 import os
 import shlex
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from ..heuristics import NUMERICS_MODES
@@ -35,6 +36,8 @@ build's manifest does not vouch for (--build replaces those).""")
     mode.add_argument("--build", action="store_true",
                       help="compile the variants a model's MoE shape needs into --cache-dir")
     p.add_argument("--limit", type=int, default=0, help="--check: compile only the first N variants")
+    p.add_argument("--cache-dir", help="the cache folder to compile into (default: MEGAMOE_CACHE_DIR, else "
+                                       "~/.cache/megamoe_plugin)")
     add_shape_arguments(p, required=True)
     b = p.add_argument_group("--build")
     b.add_argument("--ep-size", type=int, default=1,
@@ -52,17 +55,25 @@ build's manifest does not vouch for (--build replaces those).""")
     b.add_argument("--no-fast-math", dest="fast_math", action="store_false",
                    help="build the variants of calls with fast_math=False (the op's IEEE SwiGLU option) instead "
                         "of the default fast_math=True, which vLLM runs")
-    b.add_argument("--cache-dir", help="the cache folder to build into (default: MEGAMOE_CACHE_DIR, else "
-                                       "~/.cache/megamoe_plugin)")
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from . import check_variants, reference_variants
+    from . import cache, check_variants, find_toolchain, reference_variants
 
     p = parser()
     args = p.parse_args(argv)
-    if args.check:
+    prog = f"{PROG} {'--check' if args.check else '--build'}"
+    if args.cache_dir:
+        problem = cache.cache_dir_problem(Path(args.cache_dir))
+        if problem:
+            p.exit(1, f"{prog}: --cache-dir {args.cache_dir}: {problem}\n")
+        os.environ["MEGAMOE_CACHE_DIR"] = args.cache_dir  # where jit.cache_dir() looks, in this process
+    try:
+        toolchain, why = find_toolchain()
+    except ValueError as exc:  # a setting that cannot work, named
+        p.exit(1, f"{prog}: {exc}\n")
+    if args.check:  # without a toolchain, it reports the cubins of a pre-built cache
         variants = reference_variants()
         if args.limit:
             variants = variants[: args.limit]
@@ -72,12 +83,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from ..model_config import shape_from_args
     from ..variants import deployment_variants
-    from . import find_toolchain
     from .build import build_variants
 
     shape = shape_from_args(args, p, required=True)
-    if find_toolchain()[0] is None:
-        p.exit(1, f"{PROG} --build: {find_toolchain()[1].removeprefix('megamoe: ')}\n")
+    if toolchain is None:
+        p.exit(1, f"{prog}: {why.removeprefix('megamoe: ')}\n")
     numerics = tuple(args.numerics.split(","))
     unknown = [mode for mode in numerics if mode not in NUMERICS_MODES]
     if unknown:
@@ -87,8 +97,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         variants = deployment_variants(shape, args.ep_size, counts, args.gpu, numerics, args.fast_math)
     except ValueError as exc:
         p.error(str(exc))
-    if args.cache_dir:
-        os.environ["MEGAMOE_CACHE_DIR"] = args.cache_dir  # where jit.cache_dir() looks, in this process
     print(f"{shape.describe()}, EP {args.ep_size}, {len(counts)} batch sizes, {', '.join(numerics)} numerics "
           f"on {args.gpu}: {len(variants)} variants", flush=True)
     failures = build_variants(variants)

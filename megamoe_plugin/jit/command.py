@@ -7,7 +7,7 @@ import shlex
 from typing import Iterable, List, Optional, Sequence
 
 from ..heuristics import NUMERICS_MODES
-from ..paths import cache_dir
+from ..settings import cache_dir
 
 PROG = "python -m megamoe_plugin.jit"
 DEFAULT_BATCH_SIZES = "0-8192"
