@@ -38,13 +38,39 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-# The framework's logger (log_to): vLLM shows only its own "vllm.*" loggers' records.
-logger = logging.getLogger("megamoe_plugin")
+# The package's logger and this module's, below it; route_logs_to hands their records to a
+# framework's logger.
+PACKAGE_LOGGER = "megamoe_plugin"
+logger = logging.getLogger(f"{PACKAGE_LOGGER}.serving")
 
-def log_to(framework_logger: logging.Logger) -> None:
-    """Send this module's records to the integration's logger (one framework per process)."""
-    global logger
-    logger = framework_logger
+
+class _ToFrameworkLogger(logging.Handler):
+    """Hands each record to a framework's logger, whose level and handlers (its own, or its
+    parents' where it propagates) then decide, as for the framework's own records."""
+
+    def __init__(self, framework_logger: logging.Logger):
+        super().__init__()
+        self.framework_logger = framework_logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.framework_logger.isEnabledFor(record.levelno):
+            self.framework_logger.handle(record)
+
+
+def route_logs_to(framework_logger: logging.Logger) -> None:
+    """Send the package's records (the watchdog's kernel-failure lines, this module's progress)
+    to the framework's logger instead of the root logger's handlers. vLLM's logging config
+    gives its "vllm" logger the one handler and configures no root handler, so a line on the
+    "megamoe_plugin" logger would miss the user's log. A handler on our own logger, not on
+    the framework's: the framework may configure its logging again later (vLLM does per
+    process), which leaves loggers outside its own tree alone. Idempotent: a second call
+    replaces the first (one framework per process)."""
+    package = logging.getLogger(PACKAGE_LOGGER)
+    for handler in [h for h in package.handlers if isinstance(h, _ToFrameworkLogger)]:
+        package.removeHandler(handler)
+    package.addHandler(_ToFrameworkLogger(framework_logger))
+    package.setLevel(logging.DEBUG)  # every record reaches the handler: the framework's level decides there
+    package.propagate = False  # the framework logger propagates where the framework wants
 
 
 EXECUTORS = ("kernel", "reference")

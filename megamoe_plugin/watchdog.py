@@ -9,9 +9,10 @@ outside [-1, E) that a replayed graph dropped would wait for the next eager call
 
 So the op layer starts this thread when it loads its first kernel. Every POLL_INTERVAL_S
 it reads the host words with plain loads (no CUDA call: nothing is added per launch, and
-it works after the context died) and logs at ERROR on the "megamoe_plugin" logger:
-the first kernel failure, once, and how many bad expert ids were dropped since its last
-report. It reads the counter without clearing it: `ops.raise_input_errors` keeps its own
+it works after the context died) and logs at ERROR on the "megamoe_plugin" logger
+(under vLLM, whose logging shows only its own loggers, the plugin routes that logger to
+vLLM's: serving.route_logs_to): the first kernel failure, once, and how many bad expert ids
+were dropped since its last report. It reads the counter without clearing it: `ops.raise_input_errors` keeps its own
 record of what it raised.
 """
 from __future__ import annotations

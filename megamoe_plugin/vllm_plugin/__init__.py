@@ -15,6 +15,9 @@ config modules it patches (no model/kernel modules) and never touches CUDA. It
    class (and vLLM's heavy FP8 modules) is imported the first time vLLM looks "fp8" up.
    It hands MoE layers `MegaMoEFp8MoEMethod` when the backend is megamoe_sm90 and
    defers to vLLM's Fp8Config otherwise.
+4. sends the package's log records (a kernel timeout's ERROR line from the watchdog,
+   the warm-up's progress) to vLLM's "vllm.megamoe_sm90" logger, since vLLM's logging
+   config shows only its "vllm.*" loggers (serving.route_logs_to).
 
 See docs/vllm.md for how the plugin works and when the backend helps.
 

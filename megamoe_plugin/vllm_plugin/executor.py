@@ -5,7 +5,6 @@ only vLLM knows: its EP group, the other DP ranks' token counts and batch invari
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from typing import Optional
 
@@ -24,8 +23,6 @@ from ..serving import (  # noqa: F401  (this module is the vLLM glue's one view 
     set_executor,
     warmup_token_counts,
 )
-
-serving.log_to(logging.getLogger("vllm.megamoe_sm90"))
 
 
 class EPGroup(serving.EPGroup):

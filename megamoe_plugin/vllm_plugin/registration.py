@@ -12,6 +12,10 @@ choices are derived from the dataclass fields through the `lru_cache`d
   pydantic ones,
 - clears `_compute_kwargs`'s cache so the next parser build sees the new choice.
 
+It also sends the package's log records (the watchdog's kernel-failure lines, the
+warm-up's progress) to the "vllm.megamoe_sm90" logger: vLLM's logging config shows only
+its "vllm.*" loggers (serving.route_logs_to).
+
 Everything is checked before it is changed and every step is a no-op when already
 done, so calling `register()` twice (or in a process where vLLM already loaded it)
 changes nothing. Nothing here imports torch.cuda state or vLLM's model/kernel modules.
@@ -25,6 +29,7 @@ import types
 import typing
 from typing import Any, Literal
 
+from .. import serving
 from . import BACKEND
 
 logger = logging.getLogger("vllm.megamoe_sm90")
@@ -249,6 +254,7 @@ def register() -> None:
             return
         _patch_passthrough_binding()
         _register_fp8_config()
+        serving.route_logs_to(logger)  # vLLM shows only its "vllm.*" loggers' records
         _registered = True
         logger.debug("megamoe_plugin: registered moe_backend=%r", BACKEND)
 
