@@ -47,8 +47,8 @@ TEMP_PREFIX = ".build_"
 _GROUP_OR_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 NVCC_TIMEOUT_ENV = "MEGAMOE_NVCC_TIMEOUT_S"
-# One nvcc run of the largest variant takes a few minutes on a loaded 2-core machine; a run past
-# this is hung (or the machine is too slow to compile at start-up, which the error says).
+# The compile check's 116 reference variants take 10 minutes on 2 cores, about 10 s each: 900 s
+# leaves a wide margin for the largest variant on a loaded machine, and still ends a hung nvcc.
 DEFAULT_NVCC_TIMEOUT_S = 900.0
 # The bound that lets remove_stale_temp_folders tell a dead compile's folder by its age.
 MAX_NVCC_TIMEOUT_S = 86400.0
@@ -267,7 +267,9 @@ def temp_folder(root: Path) -> tempfile.TemporaryDirectory:
 def remove_stale_temp_folders(root: Path) -> None:
     """Removes the temporary folders of compiles that a crash or a kill left behind: those of a
     process of this host that is gone, and any older than STALE_TEMP_AGE_S (a cache folder may be
-    shared between hosts, whose processes this one cannot see)."""
+    shared between hosts, whose processes this one cannot see). A container that shares this
+    host's name and cache folder but not its processes could lose a running compile's folder:
+    that compile then fails with a named error (nvcc's, or CacheWriteError), and a retry works."""
     for folder in root.glob(TEMP_PREFIX + "*"):
         name = _TEMP_NAME.match(folder.name)
         try:
