@@ -59,12 +59,12 @@ NUM_SIGNAL_WORDS = 64
 SIGNAL_WORDS = {
     "grid_arrivals": 0,      # CTAs at the current grid barrier; 0 between barriers
     "grid_generation": 1,    # grid barriers completed, mod 2^32
-    "rank_barrier": 2,       # arrivals of all ranks at this rank's cross-rank barrier, mod 2^32
-    "rank_barrier_done": 3,  # cross-rank barriers completed, mod 2^32 (rank_barrier = done * R)
+    "rank_barrier_done": 3,  # this rank's calls on the buffer (cross-rank barriers completed), mod 2^32
     "l2_tiles_claimed": 4,   # L2 tiles claimed in the call; zeroed at the next call's start
     "windows_pending": 5,    # a call's pool windows while its later ones wait for the window kernel
     "mblocks_to_clear": 6,   # the last call's m-blocks, whose counters the next call zeroes first
     "tokens_to_clear": 7,    # the last call's tokens, whose combine_arrived the next call zeroes first
+    "rank_arrivals": 8,      # 8 u64 slots (words 8-23), one per source rank: its latest call's number and tag
 }
 # The pools' default rows, as a multiple of the entries one rank's own tokens make (N * K), plus
 # the per-expert padding: the rows of a balanced routing at any EP width and half as many again.
@@ -285,6 +285,7 @@ class SymmBuffer:
         for name in ("x", "x_sf", "topk_idx", "topk_weights"):
             setattr(self, name, self.view(name))
         self.closed = False
+        self._last_stream: Optional[torch.cuda.Stream] = None  # of the latest eager work (order_after_last_use)
         # What others built for this buffer (ops: kernel params and their device memory) is
         # released through these, at close() or when the buffer is collected. Not at exit:
         # the process frees everything then, and the CUDA context may already be gone.
@@ -301,15 +302,44 @@ class SymmBuffer:
         to the buffer (that would keep it alive)."""
         self._releasers.append(release)
 
-    def close(self) -> None:
+    def close(self, graphs_released: bool = False) -> None:
         """Frees what was built for this buffer and drops its memory. No kernel that uses
         the buffer may still be running, and no CUDA graph that captured a call on it be
-        replayed afterwards. Calls on a closed buffer raise; closing again does nothing."""
+        replayed afterwards: a buffer that graph capture used (ops.fp8_mega_moe marks it) is
+        refused unless `graphs_released` says every such graph is gone, since a replay would
+        read freed memory and write into memory reused by then. Until then such a buffer also
+        outlives its last reference. Calls on a closed buffer raise; closing again does nothing.
+        Per rank: in a group, every rank closes its own, after a point that every rank's last
+        call on it has passed (e.g. a barrier after a synchronize), since peers read it."""
+        if self.closed:
+            return
+        if self.key in _captured_buffers and not graphs_released:
+            raise RuntimeError("close(): a CUDA graph captured calls on this buffer; replaying it after close would "
+                               "read freed memory. Drop every such graph, then call close(graphs_released=True)")
+        _captured_buffers.pop(self.key, None)
         self._finalizer()
         self.closed = True
         self.storage = self._symm_handle = None
         for name in ("x", "x_sf", "topk_idx", "topk_weights"):
             setattr(self, name, None)
+
+    def order_after_last_use(self) -> None:
+        """Work on the buffer (staging inputs, a call) must not overlap other work on it: a call
+        zeroes what the previous one still counts, and staging overwrites the inputs a call reads.
+        Eager work issued on another stream than the buffer's previous work waits (an event) for
+        all that stream has issued so far, so two streams or threads that share a buffer use it
+        one after another. Not for graph capture: replays run in the replaying streams' order."""
+        stream = torch.cuda.current_stream(self.device)
+        if self._last_stream is not None and self._last_stream != stream:
+            event = torch.cuda.Event()
+            event.record(self._last_stream)
+            stream.wait_event(event)
+        self._last_stream = stream
+
+    def mark_captured(self) -> None:
+        """A CUDA graph captured a call on this buffer: it stays alive, and close() refuses, until
+        close(graphs_released=True)."""
+        _captured_buffers[self.key] = self
 
     def view(self, name: str) -> torch.Tensor:
         region = self.layout.regions[name]
@@ -339,6 +369,8 @@ class SymmBuffer:
 _buffer_keys = itertools.count()
 # Weak: the registry must not keep a buffer (and its GPU memory) alive.
 _live_buffers: "weakref.WeakValueDictionary[int, SymmBuffer]" = weakref.WeakValueDictionary()
+# Strong: a buffer that a CUDA graph captured calls on, whose replays need its memory (SymmBuffer.mark_captured).
+_captured_buffers: Dict[int, SymmBuffer] = {}
 
 
 def buffer_of(key: int) -> SymmBuffer:
@@ -385,6 +417,9 @@ def get_symm_buffer(group, num_experts: int, num_max_tokens_per_rank: int, num_t
     else:
         import torch.distributed as dist
 
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup or None (one GPU), got "
+                            f"{type(group).__name__}")
         num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     shape = BufferShape(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size,
                         pool_rows)

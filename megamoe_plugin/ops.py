@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import importlib.metadata
 import math
-import os
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -29,7 +28,8 @@ from .jit import (NUM_THREADS, KERNEL_NAME, WINDOW_KERNEL_NAME, KernelMissingErr
 from .jit.command import build_command
 from .progress import progress_bar
 from . import timeline
-from .variants import block_m_from_env, num_stages_from_env, variant_for
+from .variants import variant_for
+from . import settings
 from .watchdog import Watchdog
 from .weights import unpack_pair
 
@@ -38,38 +38,29 @@ WeightPair = Tuple[torch.Tensor, torch.Tensor]
 # Why a kernel stopped (csrc/megamoe/params.h ErrorCode: the low byte of HostWords::error).
 _ERROR_NAMES = {
     1: "grid barrier (a CTA of this rank never arrived: are all SMs free for the persistent grid?)",
-    2: "cross-rank barrier (a peer rank did not call fp8_mega_moe, or it is stuck)",
     3: "TMA pipeline 'full' barrier (loads never completed)",
     4: "TMA pipeline 'empty' barrier (math warpgroups stopped consuming)",
     5: "L1 rows of an m-block (an L2 tile waited for the L1 tiles that write its act rows)",
     6: "pulled rows of an m-block (an L1 tile waited for the pull of its tokens into the pool)",
     7: "rows of a token to combine (the combine waited for the L2 tiles, on any rank, that compute them)",
+    8: "cross-rank barrier's call check",
 }
-# Where HostWords::error keeps the rank and the kernel tag (csrc/megamoe/params.h).
+_ERR_CALL_MISMATCH = 8
+# ErrorCode kErrRankNotArrived + r: rank r never arrived at the cross-rank barrier.
+_ERR_RANK_NOT_ARRIVED = 16
+# Where HostWords::error keeps the rank and the kernel tag, and HostWords::detail what the call
+# check saw (csrc/megamoe/params.h).
 _ERROR_RANK_SHIFT = 8
 _ERROR_TAG_SHIFT = 16
-
-# The default bound of every in-kernel wait. The longest legitimate wait is a peer that is
-# still finishing its previous call (the longest call, 8192 tokens per rank, takes ~13 ms)
-# or whose host launched late. warmup's group barrier takes compile and load skew out of
-# that, so what is left is host jitter (a GC pause, a busy CPU, another library's one-time
-# work on one rank); the bound only has to cover that, with a wide margin, and is short
-# enough that a real hang names itself in the log soon (README.md, docs/vllm.md).
-DEFAULT_TIMEOUT_S = 30.0
-
-
-def _timeout_s() -> float:
-    value = os.environ.get("MEGAMOE_TIMEOUT_S")
-    if not value:
-        return DEFAULT_TIMEOUT_S
-    try:
-        timeout = float(value)
-    except ValueError:
-        timeout = math.nan
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise ValueError(f"MEGAMOE_TIMEOUT_S must be a positive number of seconds, got {value!r}")
-    return timeout
-
+_DETAIL_PEER_SHIFT = 8
+_DETAIL_OWN_TAG_SHIFT = 16
+_DETAIL_PEER_TAG_SHIFT = 40
+# A call's identity, which every rank compares at the cross-rank barrier (params.h CallTag).
+_CALL_TAG_LAYER_MASK = (1 << 20) - 1
+_CALL_TAG_EXACT = 1 << 20
+_CALL_TAG_FAST_MATH = 1 << 21
+_CALL_TAG_REFUSED = 1 << 22
+_CALL_TAG_MASK = (1 << 24) - 1
 
 def _runtime_missing_message() -> str:
     here = Path(__file__).resolve().parent
@@ -97,15 +88,54 @@ def _runtime():
     return _runtime
 
 
+def call_tag(layer: int, numerics: str, fast_math: bool, refused: bool = False) -> int:
+    """What a call is, for the ranks to compare (params.h CallTag): the layer (the buffer's ordinal
+    of its weights), the numerics mode, fast_math, and whether this rank refused the call."""
+    return ((layer & _CALL_TAG_LAYER_MASK) | (_CALL_TAG_EXACT if numerics == "exact" else 0)
+            | (_CALL_TAG_FAST_MATH if fast_math else 0) | (_CALL_TAG_REFUSED if refused else 0))
+
+
+def describe_call_tag(tag: int) -> str:
+    if tag & _CALL_TAG_REFUSED:
+        return "a refused call (invalid arguments: that rank raised a ValueError or TypeError naming them)"
+    return (f"layer {tag & _CALL_TAG_LAYER_MASK} (the buffer's ordinal of the weights), "
+            f"numerics {'exact' if tag & _CALL_TAG_EXACT else 'fast'}, fast_math={bool(tag & _CALL_TAG_FAST_MATH)}")
+
+
+def _describe_mismatch(rank: int, detail: int) -> str:
+    """What the call check saw (params.h HostWords::detail of kErrCallMismatch)."""
+    if detail & 0xFF != _ERR_CALL_MISMATCH:  # none stored (cannot happen), or another failure's
+        return ""
+    peer = detail >> _DETAIL_PEER_SHIFT & 0xFF
+    own = detail >> _DETAIL_OWN_TAG_SHIFT & _CALL_TAG_MASK
+    other = detail >> _DETAIL_PEER_TAG_SHIFT & _CALL_TAG_MASK
+    if (own | other) & _CALL_TAG_REFUSED:
+        differs = ["a refused call"]
+    else:
+        differs = [what for what, bit in (("the layer", _CALL_TAG_LAYER_MASK), ("the numerics mode", _CALL_TAG_EXACT),
+                                          ("fast_math", _CALL_TAG_FAST_MATH)) if (own ^ other) & bit]
+    return (f": the ranks' calls of the same number differ in {' and '.join(differs)}: rank {rank} made "
+            f"{describe_call_tag(own)}; rank {peer} made {describe_call_tag(other)}. The ranks' calls are out of "
+            "step (a rank skipped a call, made an extra one, or called another layer or mode), so every rank "
+            "stopped instead of mixing them")
+
+
 def describe_error(word: int) -> str:
     """What a failure word (csrc/megamoe/params.h HostWords::error) says: the wait, the rank
-    and the kernel variant."""
+    and the kernel variant, and for the cross-rank waits what they saw (HostWords::detail)."""
     code, rank, tag = word & 0xFF, (word >> _ERROR_RANK_SHIFT) & 0xFF, word >> _ERROR_TAG_SHIFT
-    wait = _ERROR_NAMES.get(code, f"unknown wait {code}")
+    if _ERR_RANK_NOT_ARRIVED <= code < _ERR_RANK_NOT_ARRIVED + 8:
+        wait = (f"cross-rank barrier: rank {code - _ERR_RANK_NOT_ARRIVED} never arrived (it did not make this "
+                "call on the buffer, or is stuck before it; ranks after it in rank order were not waited for)")
+    else:
+        wait = _ERROR_NAMES.get(code, f"unknown wait {code}")
     variant = next((v for (_, v), handle in list(_kernels.items()) if handle == tag), None)
     kernel = variant.name() if variant is not None else f"with handle {tag}"
-    return (f"megamoe kernel timed out waiting on the {wait}; rank {rank}, kernel {kernel}. The CUDA context is "
-            "lost: restart the process")
+    if code == _ERR_CALL_MISMATCH:
+        what, detail = "stopped at", _describe_mismatch(rank, _runtime().read_error_detail())
+    else:
+        what, detail = "timed out waiting on", ""
+    return f"megamoe kernel {what} the {wait}; rank {rank}, kernel {kernel}{detail}. The CUDA context is lost: restart the process"
 
 
 def kernel_error() -> Optional[str]:
@@ -128,7 +158,8 @@ _bad_expert_ids_raised = 0
 def raise_input_errors() -> None:
     """Raises ValueError if kernels launched earlier in this process met invalid input since
     the last such ValueError. It reads host memory the kernels write, without waiting for
-    them: fp8_mega_moe calls it before each launch, synchronize() after the wait, so an
+    them: fp8_mega_moe calls it after each launch (so the call has taken part in the group's
+    protocol: no rank skips a call its peers make), synchronize() after the wait, so an
     error surfaces at the latest at the eager call after the bad one (or after a graph
     replay; the watchdog logs it meanwhile). Inside graph capture it leaves the error for the
     next eager call: raising there would abort the capture, not the bad call."""
@@ -183,14 +214,9 @@ def _check_tensor(t, name: str, dtype: torch.dtype, shape: Tuple[int, ...], devi
 def resolve_numerics(numerics: Optional[str]) -> str:
     """The call's numerics mode (docs/design.md section 2): the argument, else MEGAMOE_NUMERICS,
     else "fast"."""
-    from .heuristics import DEFAULT_NUMERICS, NUMERICS_MODES, check_numerics
+    from .heuristics import check_numerics
 
-    if numerics is not None:
-        return check_numerics(numerics)
-    numerics = os.environ.get("MEGAMOE_NUMERICS") or DEFAULT_NUMERICS
-    if numerics not in NUMERICS_MODES:
-        raise ValueError(f"MEGAMOE_NUMERICS must be one of {NUMERICS_MODES}, got {numerics!r}")
-    return numerics
+    return check_numerics(numerics) if numerics is not None else settings.numerics()
 
 
 def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats,
@@ -236,10 +262,10 @@ def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool, numerics: 
     heuristic; MEGAMOE_BLOCK_M and MEGAMOE_NUM_STAGES force the tier and the depth. Memoized,
     as it runs on every call; the environment variables it reads are part of the key."""
     key = (buf.shape, _device_name(buf.device), _grid_size(buf), num_tokens, fast_math, numerics,
-           *(os.environ.get(name) for name in ("MEGAMOE_BLOCK_M", "MEGAMOE_NUM_STAGES", "MEGAMOE_CONFIGS_DIR")))
+           settings.forced_block_m(), settings.forced_num_stages(), settings.configs_dir())
     variant = _variants.get(key)
     if variant is None:
-        variant = _variants[key] = variant_for(*key[:6], block_m_from_env(), num_stages_from_env())
+        variant = _variants[key] = variant_for(*key[:8])
     return variant
 
 
@@ -278,7 +304,8 @@ def _grid_size(buf: SymmBuffer) -> int:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _device_sms:
         total = torch.cuda.get_device_properties(idx).multi_processor_count
-        _device_sms[idx] = min(total, int(os.environ.get("MEGAMOE_NUM_SMS", total)))
+        forced = settings.num_sms()
+        _device_sms[idx] = total if forced is None else min(total, forced)
     return _device_sms[idx]
 
 
@@ -286,8 +313,18 @@ def _grid_size(buf: SymmBuffer) -> int:
 _kernels: Dict[Tuple[int, KernelVariant], int] = {}
 # id(buffer) -> {(rank, peer pointers, shape, weight pointers, block_m): params handle}. A
 # buffer's entries are freed, device memory included, when it is closed or collected
-# (SymmBuffer.on_close), so a later buffer that gets the same id never finds them.
+# (SymmBuffer.on_close), so a later buffer that gets the same id never finds them; so are the next two.
 _params: Dict[int, Dict[Tuple, int]] = {}
+# id(buffer) -> {weight pointers: the layer's ordinal}, in the order the buffer met them (warmup's
+# layers, then calls): the layer part of a call's tag (call_tag), equal on every rank that meets its
+# layers in the same order.
+_layer_ordinals: Dict[int, Dict[Tuple[int, int, int, int], int]] = {}
+# id(buffer) -> (kernel, params) of its latest launch: what a refused call launches (_refuse_call).
+_latest_launch: Dict[int, Tuple[int, int]] = {}
+# Kernel params a buffer may hold (one per layer and tier; a 94-layer model with every tier needs
+# 470): past it, weights are being re-allocated between calls, which would grow device memory
+# without bound (weight reloading, as RL does, is not supported on a buffer).
+MAX_PARAMS_PER_BUFFER = 4096
 
 
 def _refuse_in_capture(what: str) -> None:
@@ -322,20 +359,34 @@ def _params_handle(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, block_m: int
         _refuse_in_capture("build kernel parameters (TMA descriptors in device memory) for these weights")
         if per_buffer is None:
             per_buffer = _params[id(buf)] = {}
-            buf.on_close(functools.partial(_free_params, id(buf)))
+            buf.on_close(functools.partial(_forget_buffer, id(buf)))
+        if len(per_buffer) >= MAX_PARAMS_PER_BUFFER:
+            raise RuntimeError(f"megamoe: the buffer already holds kernel params for {MAX_PARAMS_PER_BUFFER} (layer, "
+                               "tier) pairs; new weight tensors keep coming (weights re-allocated between calls?). "
+                               "Reloading weights on a buffer is not supported: make a new buffer after a reload")
         s = buf.shape
         with torch.cuda.device(buf.device):
             handle = _runtime().make_params(
                 list(buf.peer_ptrs), buf.rank, buf.layout.offsets(), s.pool_capacity, s.hidden, s.intermediate_size,
                 s.num_local_experts, block_m, l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(),
-                l2[1].data_ptr(), _timeout_s())
+                l2[1].data_ptr(), settings.timeout_s())
         per_buffer[key] = handle
     return handle
 
 
-def _free_params(buffer_id: int) -> None:
+def _forget_buffer(buffer_id: int) -> None:
+    _layer_ordinals.pop(buffer_id, None)
+    _latest_launch.pop(buffer_id, None)
     for handle in _params.pop(buffer_id, {}).values():
         _runtime().free_params(handle)
+
+
+def _layer_ordinal(buf: SymmBuffer, l1: WeightPair, l2: WeightPair) -> int:
+    """The layer's ordinal on this buffer (_layer_ordinals). Only after _params_handle, which
+    registers the buffer's clean-up."""
+    ordinals = _layer_ordinals.setdefault(id(buf), {})
+    return ordinals.setdefault((l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(), l2[1].data_ptr()),
+                               len(ordinals))
 
 
 def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Iterable[int],
@@ -346,13 +397,31 @@ def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Ite
     `other_layers` (the further layers that share this buffer). Call it before CUDA-graph
     capture: a capture that would compile, load or build params raises.
 
-    On every rank of the buffer's group, before the first call: it ends with a barrier over
-    the group, so a rank that had to compile (a cold cache) holds the others here, not
-    inside a kernel whose wait would time out. Returns how many distinct variants it loaded.
+    On every rank of the buffer's group, before the first call: it ends with an agreement over
+    the group (_agree_on_warmup), which holds every rank until all arrive, so a rank that had to
+    compile (a cold cache) holds the others here, not inside a kernel whose wait would time out;
+    and where a rank's warm-up failed (a compile error, a bad cubin, a missing variant), every
+    rank raises at once, the others naming that rank, instead of waiting for it until the process
+    group's timeout. Returns how many distinct variants it loaded.
 
     Where nvcc is missing, every variant must be in the cache (a folder pre-built with
     `python -m megamoe_plugin.jit --build`, as MEGAMOE_CACHE_DIR): else it raises
     jit.KernelMissingError, which names the missing variants and the command that builds them."""
+    try:
+        loaded = _load_for_calls(buf, l1, l2, num_tokens_list, fast_math, numerics, other_layers)
+    except BaseException:
+        if isinstance(buf, SymmBuffer) and buf.group is not None:
+            _agree_on_warmup(buf, failed=True)
+        raise
+    if buf.group is not None:
+        _agree_on_warmup(buf, failed=False)
+    return loaded
+
+
+def _load_for_calls(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Iterable[int],
+                    fast_math: bool, numerics: Optional[str], other_layers: Iterable[Tuple[WeightPair, WeightPair]]
+                    ) -> int:
+    """warmup's work on this rank: compile, load, build params; the number of variants."""
     _require_sm90(buf.device)
     numerics = resolve_numerics(numerics)
     num_tokens_list = [int(n) for n in num_tokens_list]
@@ -377,9 +446,28 @@ def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Ite
     for layer_l1, layer_l2 in [(l1, l2), *other_layers]:
         for block_m in dict.fromkeys(v.block_m for v in variants):
             _params_handle(buf, tuple(layer_l1), tuple(layer_l2), block_m)
-    if buf.group is not None:
-        _group_barrier(buf)
+        _layer_ordinal(buf, tuple(layer_l1), tuple(layer_l2))
     return len(variants)
+
+
+def _agree_on_warmup(buf: SymmBuffer, failed: bool) -> None:
+    """Every rank of the buffer's group learns which ranks' warm-up failed: an all-reduce of one
+    flag per rank, read on the host, so it also holds each rank until all have arrived (what the
+    barrier after the warm-up is for). A rank whose own warm-up went right raises a RuntimeError
+    naming the failed ranks (its first call would wait for them until the timeout); a failed rank
+    returns, to raise its own error."""
+    import torch.distributed as dist
+
+    group = buf.group
+    on_device = dist.get_backend(group) == "nccl"  # NCCL reduces device memory only
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=buf.device if on_device else "cpu")
+    flags[dist.get_rank(group)] = int(failed)
+    dist.all_reduce(flags, group=group)
+    failed_ranks = flags.nonzero().flatten().tolist()
+    if failed_ranks and not failed:
+        raise RuntimeError(f"megamoe: the warm-up failed on rank{'s' if len(failed_ranks) > 1 else ''} "
+                           f"{', '.join(map(str, failed_ranks))} of the buffer's group (that rank's error says why); "
+                           "every rank stops here, since their calls would wait for it until the timeout")
 
 
 def _raise_if_not_buildable(buf: SymmBuffer, variants, num_tokens_list: List[int], numerics: str,
@@ -394,15 +482,6 @@ def _raise_if_not_buildable(buf: SymmBuffer, variants, num_tokens_list: List[int
             _device_name(buf.device), (numerics,), fast_math))
 
 
-def _group_barrier(buf: SymmBuffer) -> None:
-    import torch.distributed as dist
-
-    if dist.get_backend(buf.group) == "nccl":  # it needs the device, and blocks the host until all arrive
-        dist.barrier(group=buf.group, device_ids=[buf.device.index])
-    else:
-        dist.barrier(group=buf.group)
-
-
 def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer,
                  activation_clamp: Optional[float] = None, fast_math: bool = True,
                  cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -410,10 +489,16 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
                  _stop_after_phase: int = 0, _timeline: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fused MoE of docs/design.md section 2 for this rank's first y.shape[0] tokens,
     whose inputs the caller wrote into buf.x / x_sf / topk_idx / topk_weights.
-    Every rank of the buffer's group calls it each step (also with 0 tokens). Writes y.
+    Every rank of the buffer's group calls it each step (also with 0 tokens), with the same
+    layers in the same order, in the same numerics mode and fast_math: the ranks compare each
+    call's identity (the layer's ordinal on the buffer, numerics, fast_math) at the kernel's
+    cross-rank barrier, and calls that differ stop every rank with an error naming both ranks
+    (the CUDA context is lost) instead of pairing different layers. Writes y.
     topk_idx values must lie in [-1, E) (-1: empty slot); the kernel drops and counts any
-    other value, the watchdog logs it, and this function (next eager call) or synchronize()
-    raises ValueError for it.
+    other value, the watchdog logs it, and this function (after launching its call, so the call
+    has taken part) or synchronize() raises ValueError for it. Invalid arguments raise
+    ValueError or TypeError; in a group the call still takes part as a refused call, which
+    stops every rank at once naming this one (docs/design.md section 3).
 
     `config_num_tokens` is the token count the kernel variant is chosen by (default
     y.shape[0]); pass a value equal on every rank (vLLM: the DP-padded batch size).
@@ -424,12 +509,16 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     numbers the phases); the next call zeroes what a stopped call left counting.
     `_timeline` (ops.timeline_for(buf); megamoe_plugin.timeline reads it) is for finding where a GEMM tile's time
     goes: the call runs its variant built with per-tile clock records, which it writes there."""
-    validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats, config_num_tokens)
-    numerics = resolve_numerics(numerics)
-    if _timeline is not None:
-        _check_tensor(_timeline, "_timeline (ops.timeline_for)", torch.int64, _timeline_shape(buf), buf.device)
+    try:
+        validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats,
+                      config_num_tokens)
+        numerics = resolve_numerics(numerics)
+        if _timeline is not None:
+            _check_tensor(_timeline, "_timeline (ops.timeline_for)", torch.int64, _timeline_shape(buf), buf.device)
+    except (TypeError, ValueError):
+        _refuse_call(buf)
+        raise
     _require_sm90(buf.device)
-    raise_input_errors()
     num_tokens = y.shape[0]
     variant = select_variant(buf, num_tokens if config_num_tokens is None else config_num_tokens, fast_math,
                              numerics)
@@ -437,16 +526,47 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
         variant = dataclasses.replace(variant, timeline=True)
     kernel = _kernel_handle(buf.device, variant)
     params = _params_handle(buf, tuple(l1), tuple(l2), variant.block_m)
+    tag = call_tag(_layer_ordinal(buf, tuple(l1), tuple(l2)), numerics, fast_math)
+    if torch.cuda.is_current_stream_capturing():
+        buf.mark_captured()
+    else:
+        buf.order_after_last_use()
     stats = cumulative_local_expert_recv_stats
+    _launch(buf, kernel, params, tag, y.data_ptr(), num_tokens, 0 if stats is None else stats.data_ptr(),
+            math.inf if activation_clamp is None else float(activation_clamp), _stop_after_phase,
+            0 if _timeline is None else _timeline.data_ptr(),
+            buf.shape.window_kernel_launches(variant.block_m) if variant.windowed else 0)
+    _latest_launch[id(buf)] = (kernel, params)
+    # After the launch: the call has taken part, so no rank skips a call its peers make.
+    raise_input_errors()
+    return y
+
+
+def _launch(buf: SymmBuffer, kernel: int, params: int, tag: int, y_ptr: int, num_tokens: int, stats_ptr: int,
+            activation_clamp: float, stop_after_phase: int, timeline_ptr: int, window_launches: int) -> None:
     try:
-        _runtime().launch(kernel, params, y.data_ptr(), num_tokens, 0 if stats is None else stats.data_ptr(),
-                          math.inf if activation_clamp is None else float(activation_clamp), _grid_size(buf),
-                          NUM_THREADS, torch.cuda.current_stream(buf.device).cuda_stream, _stop_after_phase,
-                          0 if _timeline is None else _timeline.data_ptr(),
-                          buf.shape.window_kernel_launches(variant.block_m) if variant.windowed else 0)
+        _runtime().launch(kernel, params, y_ptr, num_tokens, stats_ptr, activation_clamp, _grid_size(buf),
+                          NUM_THREADS, torch.cuda.current_stream(buf.device).cuda_stream, tag, stop_after_phase,
+                          timeline_ptr, window_launches)
     except RuntimeError as exc:  # the runtime refuses to launch after a kernel failed: say which wait
         reason = kernel_error()
         if reason is not None:
             raise RuntimeError(reason) from exc
         raise
-    return y
+
+
+def _refuse_call(buf) -> None:
+    """A call this rank refuses (invalid arguments) still takes part in a group's cross-rank
+    barrier, with the refused bit in its tag: every rank then stops at once with an error that names
+    this rank (the kernel's call check), instead of waiting for it until the timeout, or pairing this
+    rank's next call with the peers' current one for the rest of the run. It launches the buffer's
+    latest kernel and params with no tokens; where the buffer has launched nothing yet, or inside
+    graph capture, it launches nothing and the peers' timeout names this rank."""
+    if (not isinstance(buf, SymmBuffer) or buf.closed or buf.shape.num_ranks == 1
+            or torch.cuda.is_current_stream_capturing() or id(buf) not in _latest_launch):
+        return
+    kernel, params = _latest_launch[id(buf)]
+    try:
+        _launch(buf, kernel, params, call_tag(0, "fast", False, refused=True), 0, 0, 0, math.inf, 0, 0, 0)
+    except RuntimeError:
+        pass  # an earlier kernel failed: the group has stopped already; the caller's error is the one to raise

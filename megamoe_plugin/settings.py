@@ -113,8 +113,13 @@ def configs_dir() -> Optional[Path]:
 
 def cache_dir() -> Path:
     """MEGAMOE_CACHE_DIR: the compiled-kernel cache (megamoe_plugin.jit)."""
-    value = _read("MEGAMOE_CACHE_DIR")
+    value = cache_dir_setting()
     return Path.home() / ".cache" / "megamoe_plugin" if value is None else Path(value)
+
+
+def cache_dir_setting() -> Optional[str]:
+    """MEGAMOE_CACHE_DIR as set, or None where the default applies (for messages that name it)."""
+    return _read("MEGAMOE_CACHE_DIR")
 
 
 def nvcc() -> Optional[str]:

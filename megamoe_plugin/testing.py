@@ -90,8 +90,11 @@ def set_barrier_state(bufs, grid_generation: int, rank_rounds_done: int) -> None
         signals = buf.view("signals")
         signals[SIGNAL_WORDS["grid_arrivals"]] = 0
         signals[SIGNAL_WORDS["grid_generation"]] = as_int32(grid_generation)
-        signals[SIGNAL_WORDS["rank_barrier"]] = as_int32(rank_rounds_done * buf.num_ranks)
         signals[SIGNAL_WORDS["rank_barrier_done"]] = as_int32(rank_rounds_done)
+        # Every peer's slot holds its last call: the same number (the tag of a call that is over is never read).
+        for src in range(buf.num_ranks):
+            signals[SIGNAL_WORDS["rank_arrivals"] + 2 * src] = as_int32(rank_rounds_done)
+            signals[SIGNAL_WORDS["rank_arrivals"] + 2 * src + 1] = 0
 
 
 def fill_buffer(buf, inputs: Dict[str, torch.Tensor]) -> int:

@@ -14,10 +14,6 @@ from .jit import KernelVariant
 from .model_config import MoEShape
 from .settings import forced_block_m, forced_num_stages
 
-# ops.select_variant and tests/test_ops_validation.py still read the forced tier and depth by
-# these names; settings parses them.
-block_m_from_env, num_stages_from_env = forced_block_m, forced_num_stages
-
 
 def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math: bool, numerics: str,
                 forced_block_m: Optional[int] = None, forced_num_stages: Optional[int] = None) -> KernelVariant:

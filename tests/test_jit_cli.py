@@ -5,6 +5,8 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from megamoe_plugin import jit
 
 PTXAS = "Compiling entry function '{name}' for 'sm_90a'\nptxas info    : Used 168 registers, 0 bytes stack frame, " \
@@ -51,3 +53,13 @@ def test_module_cli_runs_without_a_runpy_warning():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "found in sys.modules" not in proc.stderr and "--check" in proc.stdout
+
+
+@pytest.mark.parametrize("value", ["-3", "0", "x"])
+def test_limit_is_a_positive_count(value, capsys):
+    from megamoe_plugin.jit.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--check", "--limit", value])
+    assert info.value.code == 2
+    assert "argument --limit: expected an integer >= 1" in capsys.readouterr().err

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import megamoe_plugin as mm
-from megamoe_plugin import variants
+from megamoe_plugin import settings, variants
 from megamoe_plugin.testing import random_layer
 
 E, N, K, H, I = 4, 16, 2, 256, 256
@@ -106,14 +106,14 @@ def test_forced_block_m(monkeypatch, value, expected):
         monkeypatch.delenv("MEGAMOE_BLOCK_M", raising=False)
     else:
         monkeypatch.setenv("MEGAMOE_BLOCK_M", value)
-    assert variants.block_m_from_env() == expected
+    assert settings.forced_block_m() == expected
 
 
 @pytest.mark.parametrize("value", ["48", "256", "x", "-8"])
 def test_forced_block_m_names_the_variable(monkeypatch, value):
     monkeypatch.setenv("MEGAMOE_BLOCK_M", value)
     with pytest.raises(ValueError, match="MEGAMOE_BLOCK_M must be one of the implemented tiers"):
-        variants.block_m_from_env()
+        settings.forced_block_m()
 
 
 def test_forced_block_m_128_is_refused_in_exact_numerics(monkeypatch):
@@ -219,7 +219,7 @@ def test_every_selected_variant_fits_shared_memory_in_its_mode(monkeypatch):
 def test_forced_num_stages_names_the_variable(monkeypatch, value):
     monkeypatch.setenv("MEGAMOE_NUM_STAGES", value)
     with pytest.raises(ValueError, match=r"MEGAMOE_NUM_STAGES must be an integer >= 2, got"):
-        variants.num_stages_from_env()
+        settings.forced_num_stages()
 
 
 def test_forced_num_stages_must_fit_the_tier():

@@ -39,6 +39,7 @@ class FakeRuntime:
         self.window_launches = []
         self.error_word = 0
         self.bad_expert_ids = 0
+        self.error_detail = 0
 
     def load_kernel(self, cubin_path, name, smem_bytes, window_name=""):
         self.events.append(("load", cubin_path))
@@ -66,6 +67,9 @@ class FakeRuntime:
 
     def read_bad_expert_ids(self):
         return self.bad_expert_ids
+
+    def read_error_detail(self):
+        return self.error_detail
 
 
 @pytest.fixture
@@ -200,30 +204,51 @@ def test_a_collected_buffer_frees_its_params(fake):
     assert len(fake.runtime.freed) == 1 and not fake.runtime.params and buffer_id not in ops._params
 
 
-@pytest.mark.parametrize("backend, device_ids", [("gloo", None), ("nccl", [None])])
-def test_warmup_ends_with_a_group_barrier(fake, monkeypatch, backend, device_ids):
+@pytest.fixture
+def group_of_two(fake, monkeypatch):
+    """A stand-in two-rank group (this is rank 0) whose all-reduce records its calls and adds
+    the peer's warm-up flag, `peer_failed`."""
     import torch.distributed as dist
 
-    group = object()
-    barriers = []
-    monkeypatch.setattr(dist, "get_backend", lambda g: backend)
+    group = types.SimpleNamespace(peer_failed=False, reduced=[])
+    monkeypatch.setattr(dist, "get_backend", lambda g: "nccl")
+    monkeypatch.setattr(dist, "get_world_size", lambda g: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda g: 0)
 
-    def barrier(group=None, device_ids=None):
-        fake.events.append(("barrier", group))
-        barriers.append(device_ids)
+    def all_reduce(tensor, group=None):
+        fake.events.append(("all_reduce", group))
+        group.reduced.append(tensor.tolist())
+        tensor[1] += int(group.peer_failed)
 
-    monkeypatch.setattr(dist, "barrier", barrier)
-    buf, layer, other = _buffer(num_ranks=2, group=group), _layer(0), _layer(1)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    return group
+
+
+def test_warmup_ends_with_the_group_agreement(fake, group_of_two):
+    buf, layer, other = _buffer(num_ranks=2, group=group_of_two), _layer(0), _layer(1)
     ops.warmup(buf, layer.l1, layer.l2, COUNTS, other_layers=[(other.l1, other.l2)])
-    assert fake.events[-1] == ("barrier", group)  # after every load and params build
-    assert [e for e, _ in fake.events].count("barrier") == 1
-    assert barriers == [device_ids]  # the CPU buffer has no device index
+    assert fake.events[-1] == ("all_reduce", group_of_two)  # after every load and params build
+    assert group_of_two.reduced == [[0, 0]]
 
 
-def test_warmup_without_a_group_has_no_barrier(fake, monkeypatch):
+def test_warmup_raises_on_every_rank_when_one_rank_fails(fake, group_of_two, monkeypatch):
+    buf, layer = _buffer(num_ranks=2, group=group_of_two), _layer(0)
+    group_of_two.peer_failed = True
+    with pytest.raises(RuntimeError, match=r"the warm-up failed on rank 1 of the buffer's group"):
+        ops.warmup(buf, layer.l1, layer.l2, COUNTS)
+    # This rank's own failure: it tells the peer (its flag), then raises its own error.
+    group_of_two.peer_failed = False
+    monkeypatch.setattr(ops, "_kernels", {})
+    monkeypatch.setattr(ops, "compile_variants", lambda variants, on_done=None: [RuntimeError("nvcc: boom")])
+    with pytest.raises(RuntimeError, match="nvcc: boom"):
+        ops.warmup(buf, layer.l1, layer.l2, [COUNTS[0]])
+    assert group_of_two.reduced[-1] == [1, 0]
+
+
+def test_warmup_without_a_group_has_no_agreement(fake, monkeypatch):
     import torch.distributed as dist
 
-    monkeypatch.setattr(dist, "barrier", lambda *a, **k: pytest.fail("a one-rank buffer needs no barrier"))
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("a one-rank buffer needs no agreement"))
     layer = _layer(0)
     ops.warmup(_buffer(), layer.l1, layer.l2, COUNTS)
 
@@ -249,9 +274,22 @@ def test_describe_error_names_the_wait_the_rank_and_the_variant(fake):
     ops.warmup(buf, layer.l1, layer.l2, [1, 64])
     variant = ops.select_variant(buf, 64, True)
     tag = ops._kernels[(None, variant)]
-    message = ops.describe_error(2 | 1 << 8 | tag << 16)
-    assert message.startswith("megamoe kernel timed out waiting on the cross-rank barrier")
+    message = ops.describe_error((16 + 0) | 1 << 8 | tag << 16)  # kErrRankNotArrived + 0, seen by rank 1
+    assert message.startswith("megamoe kernel timed out waiting on the cross-rank barrier: rank 0 never arrived")
     assert f"rank 1, kernel {variant.name()}" in message and "restart the process" in message
+
+
+@pytest.mark.parametrize("own, other, differs, made", [
+    (ops.call_tag(5, "fast", True), ops.call_tag(6, "fast", True), "the layer", "rank 0 made layer 6"),
+    (ops.call_tag(5, "fast", True), ops.call_tag(5, "exact", True), "the numerics mode", "numerics exact"),
+    (ops.call_tag(5, "fast", True), ops.call_tag(0, "fast", False, refused=True), "a refused call",
+     "rank 0 made a refused call"),
+])
+def test_describe_error_names_both_ranks_of_a_call_mismatch(fake, own, other, differs, made):
+    fake.runtime.error_detail = 8 | 0 << 8 | own << 16 | other << 40  # params.h HostWords::detail
+    message = ops.describe_error(8 | 1 << 8)
+    assert message.startswith("megamoe kernel stopped at the cross-rank barrier's call check; rank 1")
+    assert f"differ in {differs}: rank 1 made " in message and made in message
 
 
 def test_error_word_packing_and_codes_match_params_h():
@@ -259,8 +297,18 @@ def test_error_word_packing_and_codes_match_params_h():
     assert int(re.search(r"kErrorRankShift = (\d+);", header).group(1)) == ops._ERROR_RANK_SHIFT
     assert int(re.search(r"kErrorTagShift = (\d+);", header).group(1)) == ops._ERROR_TAG_SHIFT
     body = re.search(r"enum ErrorCode : uint32_t \{(.*?)\};", header, re.S).group(1)
-    codes = {int(v) for v in re.findall(r"kErr\w+ = (\d+)", body)} - {0}
-    assert codes == set(ops._ERROR_NAMES)
+    codes = {name: int(v) for name, v in re.findall(r"(kErr\w+) = (\d+)", body)}
+    assert codes.pop("kErrNone") == 0
+    assert codes.pop("kErrCallMismatch") == ops._ERR_CALL_MISMATCH
+    assert codes.pop("kErrRankNotArrived") == ops._ERR_RANK_NOT_ARRIVED
+    assert set(codes.values()) | {ops._ERR_CALL_MISMATCH} == set(ops._ERROR_NAMES)
+    for name, value in (("PeerShift", ops._DETAIL_PEER_SHIFT), ("OwnTagShift", ops._DETAIL_OWN_TAG_SHIFT),
+                        ("PeerTagShift", ops._DETAIL_PEER_TAG_SHIFT)):
+        assert int(re.search(rf"kDetail{name} = (\d+);", header).group(1)) == value
+    for name, value in (("LayerMask", ops._CALL_TAG_LAYER_MASK), ("Exact", ops._CALL_TAG_EXACT),
+                        ("FastMath", ops._CALL_TAG_FAST_MATH), ("Refused", ops._CALL_TAG_REFUSED)):
+        expr = re.search(rf"kCallTag{name} = ([^;]+);", header).group(1)
+        assert eval(expr.replace("u", "")) == value, name
 
 
 def _wait_for(records, predicate, timeout_s=2.0):
@@ -277,7 +325,7 @@ def test_watchdog_starts_with_the_first_kernel_and_logs_a_failure_once(fake, cap
     buf, layer = _buffer(num_ranks=2), _layer(0)
     ops.warmup(buf, layer.l1, layer.l2, [8])
     tag = ops._kernels[(None, ops.select_variant(buf, 8, True))]
-    fake.runtime.error_word = 2 | 0 << 8 | tag << 16  # as a trapped kernel leaves it; nobody synchronizes
+    fake.runtime.error_word = 17 | 0 << 8 | tag << 16  # as a trapped kernel leaves it; nobody synchronizes
     assert _wait_for(caplog.records, lambda r: "cross-rank barrier" in r.getMessage())
     time.sleep(0.1)
     failures = [r for r in caplog.records if "timed out" in r.getMessage()]
@@ -294,20 +342,6 @@ def test_watchdog_logs_each_new_count_of_bad_expert_ids(fake, caplog):
     fake.runtime.bad_expert_ids = 7
     fake.watchdog.poll()
     assert [r.getMessage().split(" topk_idx")[0] for r in caplog.records] == ["megamoe: 5", "megamoe: 2"]
-
-
-@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])
-def test_timeout_variable_is_validated(monkeypatch, value):
-    monkeypatch.setenv("MEGAMOE_TIMEOUT_S", value)
-    with pytest.raises(ValueError, match="MEGAMOE_TIMEOUT_S must be a positive number of seconds"):
-        ops._timeout_s()
-
-
-def test_timeout_default(monkeypatch):
-    monkeypatch.delenv("MEGAMOE_TIMEOUT_S", raising=False)
-    assert ops._timeout_s() == ops.DEFAULT_TIMEOUT_S
-    monkeypatch.setenv("MEGAMOE_TIMEOUT_S", "2.5")
-    assert ops._timeout_s() == 2.5
 
 
 def test_symm_buffer_constructor_names_bad_arguments():

@@ -13,12 +13,13 @@ constexpr int kMaxRanks = 8;
 enum ErrorCode : uint32_t {
   kErrNone = 0,
   kErrGridBarrierTimeout = 1,
-  kErrRankBarrierTimeout = 2,
   kErrPipelineFullTimeout = 3,
   kErrPipelineEmptyTimeout = 4,
   kErrL1RowsTimeout = 5,
   kErrPulledRowsTimeout = 6,
   kErrCombineRowsTimeout = 7,
+  kErrCallMismatch = 8,  // the ranks' calls disagree (CallTag): another layer, numerics, or a refused call
+  kErrRankNotArrived = 16,  // + r: rank r never arrived at the cross-rank barrier (16 .. 16 + kMaxRanks - 1)
 };
 
 // What kernels report to the host, in host-mapped memory (one per process, runtime.cpp).
@@ -34,10 +35,32 @@ struct HostWords {
   // (64-bit: never wraps). Each CTA adds its own count once; nobody clears it: each reader
   // remembers how far it has reported.
   unsigned long long bad_expert_ids;
+  // What the failure saw, for kErrCallMismatch (below); not written by the others. Every
+  // failing thread stores its own whole word before its compare-and-swap of `error`, so the word
+  // read after `error` is complete even if the kernel traps meanwhile; its low byte repeats the
+  // code, so a reader can tell a detail of another failure from this one's.
+  unsigned long long detail;
 };
 constexpr int kErrorRankShift = 8;
 constexpr int kErrorTagShift = 16;
 constexpr uint32_t kMaxKernelTag = 0xFFFF;
+
+// HostWords::detail of kErrCallMismatch (ops.py decodes it):
+//   code | the other rank << 8 | this rank's CallTag << 16 | the other's CallTag << 40
+constexpr int kDetailPeerShift = 8;
+constexpr int kDetailOwnTagShift = 16;
+constexpr int kDetailPeerTagShift = 40;
+
+// What a call is, compared by every rank at the cross-rank barrier (sync.cuh rank_sync): two ranks
+// whose calls of the same number differ stop with kErrCallMismatch instead of pairing different
+// layers. 24 bits: the layer (the buffer's ordinal of the weights, ops.py), the numerics mode,
+// fast_math, and whether the rank refused its call (invalid arguments: it takes part only to stop
+// every rank at once).
+constexpr uint32_t kCallTagLayerMask = (1u << 20) - 1;
+constexpr uint32_t kCallTagExact = 1u << 20;
+constexpr uint32_t kCallTagFastMath = 1u << 21;
+constexpr uint32_t kCallTagRefused = 1u << 22;
+constexpr uint32_t kCallTagBits = 24;
 
 // Byte offsets of the symmetric-buffer regions (megamoe_plugin/buffer.py defines them).
 // send_count, send_cursor and send_offset hold two halves of [E] ints: a call uses half
@@ -55,12 +78,14 @@ struct BufferOffsets {
 enum SignalWord : int {
   kSigGridArrivals = 0,     // this rank's CTAs at the current grid barrier (back to 0 after each)
   kSigGridGeneration = 1,   // grid barriers completed (mod 2^32)
-  kSigRankBarrier = 2,      // arrivals of all ranks at this rank (peers add remotely), mod 2^32
-  kSigRankBarrierDone = 3,  // cross-rank barriers this rank has completed, mod 2^32
+  kSigRankBarrierDone = 3,  // this rank's calls (cross-rank barriers completed) on the buffer, mod 2^32
   kSigL2TilesClaimed = 4,   // L2 tiles claimed in this call (pipeline.cuh L2TileQueue); zeroed at the next call's start
   kSigWindowsPending = 5,   // the call's pool windows while the later ones wait for the window kernel
   kSigMblocksToClear = 6,   // the last call's m-blocks, whose counters the next call zeroes first
   kSigTokensToClear = 7,    // the last call's tokens, whose combine_arrived the next call zeroes first
+  // kMaxRanks 64-bit slots, one per source rank: {the number of its latest call to arrive here (low 32
+  // bits), that call's CallTag (high 32)}, stored by the peer (sync.cuh rank_sync). Words 8..23.
+  kSigRankArrivals = 8,
 };
 
 // TMA descriptors, built once per (buffer, weights) and kept in device memory
@@ -114,6 +139,7 @@ struct KernelParams {
   int stop_after_phase;    // debugging: 0 runs every phase; k returns after phase k (kernel.cuh)
   int window_launch;       // the window kernel's launch of the call, from 0 (kernel.cuh mega_moe_windows)
   uint32_t kernel_tag;     // the launch's kernel handle (<= kMaxKernelTag), so a failure names its variant
+  uint32_t call_tag;       // what the call is (CallTag), for the ranks to compare
 
   int rank;
   int pool_capacity;

@@ -4,7 +4,8 @@
 //
 // Barriers used by the kernel:
 //   grid_sync          all CTAs of this rank (persistent grid, one CTA per SM, all resident)
-//   rank_sync          all CTAs of all ranks (grid_sync + one CTA signalling every peer)
+//   rank_sync          all CTAs of all ranks (grid_sync + one CTA signalling every peer), which
+//                      also checks that every rank makes the same call
 //   mbarrier full/empty TMA pipeline, see pipeline.cuh
 //   named barrier 1    the two math warpgroups' epilogue exchange (epilogue.cuh)
 //   named barrier 2    the register hand-over at the start of a rebalanced GEMM phase
@@ -23,8 +24,8 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// Records which wait failed, on which rank, in which kernel variant (HostWords::error): the
-// host names all three even when nobody synchronizes (a CUDA graph replay). The first wins.
+// Records which wait failed, on which rank, in which kernel variant (HostWords::error): the host
+// names all three even when nobody synchronizes (a CUDA graph replay). The first wins.
 __device__ __forceinline__ void report_failure(const KernelParams& p, uint32_t code) {
   const uint32_t word = code | static_cast<uint32_t>(p.rank) << kErrorRankShift | p.kernel_tag << kErrorTagShift;
   atomicCAS_system(&p.host->error, 0u, word);
@@ -40,6 +41,14 @@ __device__ __forceinline__ void report_failure(const KernelParams& p, uint32_t c
 [[noreturn]] __device__ __noinline__ void fail(const KernelParams& p, uint32_t code) {
   report_failure(p, code);
   trap_reported();
+}
+
+// What a failing wait saw (HostWords::detail, whose low byte is the code), stored before its fail():
+// every failing thread stores its whole detail before its compare-and-swap of the error word, so a
+// reader that finds the error word set reads a whole detail, even if the kernel traps meanwhile.
+__device__ __forceinline__ void store_failure_detail(const KernelParams& p, unsigned long long detail) {
+  *reinterpret_cast<volatile unsigned long long*>(&p.host->detail) = detail;
+  __threadfence_system();
 }
 
 // Polls `done()` until it is true (returns false) or `timeout_scale` timeouts have passed
@@ -105,6 +114,16 @@ __device__ __forceinline__ void red_add_release_sys(uint32_t* ptr, uint32_t v) {
   asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ unsigned long long ld_acquire_sys_u64(const unsigned long long* ptr) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys_u64(unsigned long long* ptr, unsigned long long v) {
+  asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ void red_add_relaxed_sys(uint32_t* ptr, uint32_t v) {
   asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
@@ -114,9 +133,9 @@ __device__ __forceinline__ void red_add_relaxed_sys(uint32_t* ptr, uint32_t v) {
 //   - the grid barrier's arrival count resets itself (atom.inc wraps to 0 at the grid size),
 //     so it is 0 between barriers whatever the history; its waiters watch a generation word
 //     for a change (!=), which is correct across 2^32;
-//   - the cross-rank arrival count and the round number only ever grow by whole rounds of
-//     kNumRanks (mod 2^32) and are compared by signed difference, correct while the two are
-//     within 2^31 of each other (they differ by at most one round).
+//   - the call numbers (a rank's completed cross-rank barriers, and the numbers its peers' arrival
+//     slots hold) grow by one per call (mod 2^32) and are compared by signed difference, correct
+//     while two are within 2^31 of each other (they differ by at most one call).
 // tests/gpu/test_wrap.py starts both next to 2^31 and 2^32 and runs calls across the edge.
 
 // The arrival of one CTA at this rank's grid counter; true for the last of gridDim.x, which
@@ -152,28 +171,53 @@ __device__ __forceinline__ void grid_sync(const KernelParams& p, uint32_t* signa
 // a >= b for counters mod 2^32 that are within 2^31 of each other.
 __device__ __forceinline__ bool reached(uint32_t a, uint32_t b) { return static_cast<int32_t>(a - b) >= 0; }
 
-// Barrier over every CTA of every rank, in one round: each CTA arrives on this rank's
-// grid counter; the last to arrive (which has acquired every other CTA's arrival)
-// signals every rank once; every CTA then waits until all ranks have signalled.
+// This rank's arrival slot for peer `src` (params.h kSigRankArrivals).
+__device__ __forceinline__ unsigned long long* rank_arrival_slot(uint32_t* signals, int src) {
+  return reinterpret_cast<unsigned long long*>(signals + kSigRankArrivals) + src;
+}
+
+// Barrier over every CTA of every rank, in one round, that also checks every rank makes the same
+// call. Each CTA arrives on this rank's grid counter; the last to arrive (which has acquired every
+// other CTA's arrival) stores {call, p.call_tag} into this rank's slot at every rank; every CTA then
+// waits until each slot here holds this call or a later one. A slot that holds this call with
+// another tag means the ranks paired different calls (one skipped a call, made an extra one, called
+// another layer or numerics mode, or refused its call): every rank sees the other's slot, so each
+// stops with kErrCallMismatch naming the other, and none passes the barrier. A later call in a
+// slot is a peer that passed this barrier, so it had found this rank's tag equal to its own.
+// A timeout names the first rank (in rank order) whose slot stayed behind.
 // Memory written before it (local or to peers) is visible to every rank after it.
 // Writers to peer memory must have issued __threadfence_system() before arriving.
-// `round` counts this rank's cross-rank barriers since the buffer was made (mod 2^32):
-// every CTA reads the count at kernel start (rank_rounds_done) and passes done + i for
-// the i-th barrier of the call; CTA 0 advances the stored count.
+// `call` numbers this rank's calls on the buffer since it was made (mod 2^32): every CTA reads the
+// count at kernel start (rank_rounds_done) and passes done + 1; CTA 0 advances the stored count.
 template <int kNumRanks>
-__device__ __forceinline__ void rank_sync(const KernelParams& p, uint32_t* signals, uint32_t round) {
+__device__ __forceinline__ void rank_sync(const KernelParams& p, uint32_t* signals, uint32_t call) {
   __syncthreads();
   if (threadIdx.x == 0) {
     if (arrive_grid(signals + kSigGridArrivals)) {
       __threadfence_system();
+      const unsigned long long arrival = static_cast<unsigned long long>(p.call_tag) << 32 | call;
       for (int r = 0; r < kNumRanks; ++r) {
         uint32_t* peer_signals = reinterpret_cast<uint32_t*>(p.peer_base[r] + p.off.signals);
-        red_add_release_sys(peer_signals + kSigRankBarrier, 1);
+        st_release_sys_u64(rank_arrival_slot(peer_signals, p.rank), arrival);
       }
     }
-    const uint32_t target = round * kNumRanks;
-    bounded_wait(p, kErrRankBarrierTimeout, [&] { return reached(ld_acquire_sys(signals + kSigRankBarrier), target); });
-    if (blockIdx.x == 0) signals[kSigRankBarrierDone] = round;
+    // Rank by rank: a timeout's code names the rank waited for (kErrRankNotArrived + r). The
+    // failure paths are this lean on purpose: a mask of every missing rank, computed here or in a
+    // helper, cost the BLOCK_M 64 variants 28-124 B of spills.
+    for (int r = 0; r < kNumRanks; ++r) {
+      unsigned long long slot;
+      bounded_wait(p, kErrRankNotArrived + r, [&] {
+        slot = ld_acquire_sys_u64(rank_arrival_slot(signals, r));
+        return reached(static_cast<uint32_t>(slot), call);
+      });
+      if (static_cast<uint32_t>(slot) == call && static_cast<uint32_t>(slot >> 32) != p.call_tag) {
+        store_failure_detail(p, kErrCallMismatch | static_cast<unsigned long long>(r) << kDetailPeerShift |
+                                    static_cast<unsigned long long>(p.call_tag) << kDetailOwnTagShift |
+                                    (slot >> 32) << kDetailPeerTagShift);
+        fail(p, kErrCallMismatch);
+      }
+    }
+    if (blockIdx.x == 0) signals[kSigRankBarrierDone] = call;
   }
   __syncthreads();
 }

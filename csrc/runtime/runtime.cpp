@@ -11,6 +11,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -226,7 +228,10 @@ int make_params(const std::vector<uint64_t>& peer_ptrs, int rank, const std::map
   p->rank = rank;
   p->pool_capacity = pool_capacity;
   p->host = host_words().device;
-  p->timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  // Saturating: a bound past 2^64 ns (584 years) means "never", not a wrapped 0 that traps every wait at once.
+  if (!(timeout_s > 0)) throw std::invalid_argument("megamoe: timeout_s must be positive");
+  const double timeout_ns = timeout_s * 1e9;
+  p->timeout_ns = timeout_ns >= 1.8e19 ? UINT64_MAX : std::max<uint64_t>(1, static_cast<uint64_t>(timeout_ns));
   p->activation_clamp = __builtin_inff();
   std::lock_guard<std::mutex> lock(g_mutex);
   g_params.push_back(std::move(entry));
@@ -249,8 +254,9 @@ void free_params(int params) {
 
 // One launch on `stream`. No allocation, no synchronization: safe to capture in a CUDA graph.
 void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_stats, double activation_clamp,
-            int num_ctas, int num_threads, uint64_t stream, int stop_after_phase, uint64_t timeline,
+            int num_ctas, int num_threads, uint64_t stream, uint32_t call_tag, int stop_after_phase, uint64_t timeline,
             int window_launches) {
+  if (call_tag >> megamoe::kCallTagBits) throw std::invalid_argument("megamoe: call_tag wider than params.h kCallTagBits");
   if (kernel < 0 || kernel >= static_cast<int>(g_kernels.size())) throw std::invalid_argument("megamoe: bad kernel handle");
   if (params < 0 || params >= static_cast<int>(g_params.size()) || g_params[params] == nullptr)
     throw std::invalid_argument("megamoe: bad or freed params handle");
@@ -267,6 +273,7 @@ void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_st
   p.window_launch = 0;
   p.timeline = reinterpret_cast<unsigned long long*>(timeline);
   p.kernel_tag = static_cast<uint32_t>(kernel);
+  p.call_tag = call_tag;
   void* args[] = {&p};
   const Kernel& k = *g_kernels[kernel];
   check(driver().LaunchKernel(k.function, num_ctas, 1, 1, num_threads, 1, 1, k.smem_bytes,
@@ -289,6 +296,9 @@ uint32_t read_error_word() { return host_words().host->error; }
 
 uint64_t read_bad_expert_ids() { return host_words().host->bad_expert_ids; }
 
+// Read after a non-zero error word (HostWords::detail says why that order gives a whole word).
+uint64_t read_error_detail() { return host_words().host->detail; }
+
 }  // namespace
 
 PYBIND11_MODULE(_runtime, m) {
@@ -301,9 +311,10 @@ PYBIND11_MODULE(_runtime, m) {
         py::arg("timeout_s"));
   m.def("launch", &launch, py::arg("kernel"), py::arg("params"), py::arg("y"), py::arg("num_tokens"),
         py::arg("recv_stats"), py::arg("activation_clamp"), py::arg("num_ctas"), py::arg("num_threads"),
-        py::arg("stream"), py::arg("stop_after_phase") = 0, py::arg("timeline") = 0, py::arg("window_launches") = 0);
+        py::arg("stream"), py::arg("call_tag"), py::arg("stop_after_phase") = 0, py::arg("timeline") = 0, py::arg("window_launches") = 0);
   m.def("free_params", &free_params, py::arg("params"));
   m.def("read_error_word", &read_error_word);
   m.def("read_bad_expert_ids", &read_bad_expert_ids);
+  m.def("read_error_detail", &read_error_detail);
   m.attr("kParamsBytes") = sizeof(megamoe::KernelParams);
 }

@@ -12,6 +12,13 @@ from typing import List, Optional
 from ..heuristics import NUMERICS_MODES
 from .command import DEFAULT_BATCH_SIZES, DEFAULT_GPU, PROG, parse_batch_sizes
 
+def _at_least_one(text: str) -> int:
+    """--limit's type: a count of variants, never a negative (which a slice would read from the end)."""
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def parser() -> argparse.ArgumentParser:
     from ..model_config import add_shape_arguments
 
@@ -35,7 +42,7 @@ build's manifest does not vouch for (--build replaces those).""")
                            "spills, stack frame and shared memory; exit 1 on a spill or compile error")
     mode.add_argument("--build", action="store_true",
                       help="compile the variants a model's MoE shape needs into --cache-dir")
-    p.add_argument("--limit", type=int, default=0, help="--check: compile only the first N variants")
+    p.add_argument("--limit", type=_at_least_one, help="--check: compile only the first N variants (N >= 1)")
     p.add_argument("--cache-dir", help="the cache folder to compile into (default: MEGAMOE_CACHE_DIR, else "
                                        "~/.cache/megamoe_plugin)")
     add_shape_arguments(p, required=True)
@@ -75,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.exit(1, f"{prog}: {exc}\n")
     if args.check:  # without a toolchain, it reports the cubins of a pre-built cache
         variants = reference_variants()
-        if args.limit:
+        if args.limit is not None:
             variants = variants[: args.limit]
         failures = check_variants(variants)
         print(f"{len(variants) - failures} passed, {failures} failed")

@@ -74,9 +74,13 @@ FORCED_TIER_SHAPES = [
 ]
 
 
+# The GPU whose selection (its shipped table, else the heuristic) the variants follow: --gpu.
+GPU_NAME = "NVIDIA H200"
+
+
 def call_variants(num_ranks, num_experts, topk, hidden, inter, max_tokens, num_sms, fast_maths=(True, False),
                   forced_block_m=None, numerics_modes=None, pool_rows=None):
-    """Every variant a call with 0..max_tokens tokens per rank can select on an H200, in both
+    """Every variant a call with 0..max_tokens tokens per rank can select on GPU_NAME, in both
     numerics modes (ops.select_variant: the shipped table, else the heuristic; MEGAMOE_BLOCK_M
     = forced_block_m), on a buffer with `pool_rows` (BufferShape)."""
     from megamoe_plugin.buffer import BufferShape
@@ -85,7 +89,7 @@ def call_variants(num_ranks, num_experts, topk, hidden, inter, max_tokens, num_s
 
     shape = BufferShape(num_ranks, num_experts, max_tokens, topk, hidden, inter, pool_rows)
     return list(dict.fromkeys(
-        variant_for(shape, "NVIDIA H200", num_sms, n, fast_math, numerics, forced_block_m)
+        variant_for(shape, GPU_NAME, num_sms, n, fast_math, numerics, forced_block_m)
         for n in range(max_tokens + 1) for fast_math in fast_maths for numerics in numerics_modes or NUMERICS_MODES))
 
 
@@ -258,7 +262,16 @@ if __name__ == "__main__":
     ap.add_argument("--x2", action="store_true")
     ap.add_argument("--numerics", help="with --jobs: these modes only (comma-separated)")
     ap.add_argument("--tiers", help="with --jobs: these BLOCK_M only (comma-separated)")
+    ap.add_argument("--gpu", help="select variants as on this GPU (its name as torch reports it; default: this "
+                                  f"machine's GPU, else {GPU_NAME!r})")
     args = ap.parse_args()
+    if args.gpu:
+        GPU_NAME = args.gpu
+    else:
+        import torch
+
+        if torch.cuda.is_available():
+            GPU_NAME = torch.cuda.get_device_name()
     if args.jobs:
         print("\n".join(sanitizer_jobs(args.numerics.split(",") if args.numerics else None,
                                         [int(t) for t in args.tiers.split(",")] if args.tiers else None)))

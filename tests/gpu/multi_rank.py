@@ -36,17 +36,19 @@ def step_inputs(num_ranks, shape, tokens, step, routing, device, gen):
 
 def launch_side_by_side(bufs, layers, inputs, streams, tokens, numerics, stop_after_phase=0):
     """One step of R ranks on one GPU: every rank's kernel launched on its own stream before
-    any wait (they must overlap); returns the NaN-poisoned outputs, synchronized. `stop_after_phase`:
-    the debugging switch (ops.fp8_mega_moe's _stop_after_phase)."""
+    any wait (they must overlap); returns the NaN-poisoned outputs, synchronized. `tokens`: the
+    config_num_tokens of every rank, or a list of each rank's. `stop_after_phase`: the debugging
+    switch (ops.fp8_mega_moe's _stop_after_phase)."""
+    config_tokens = tokens if isinstance(tokens, (list, tuple)) else [tokens] * len(bufs)
     ys = []
     for buf, rank_inputs in zip(bufs, inputs):
         fill_buffer(buf, rank_inputs)
         ys.append(torch.full((rank_inputs["x"].shape[0], buf.hidden), math.nan, dtype=torch.bfloat16, device="cuda"))
     torch.cuda.synchronize()
-    for buf, layer, y, stream in zip(bufs, layers, ys, streams):
+    for buf, layer, y, stream, config in zip(bufs, layers, ys, streams, config_tokens):
         with torch.cuda.stream(stream):
-            # every rank picks its kernel by the same token count, as vLLM's DP padding does
-            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, config_num_tokens=tokens, numerics=numerics,
+            # by default every rank picks its kernel by the same token count, as vLLM's DP padding does
+            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, config_num_tokens=config, numerics=numerics,
                             _stop_after_phase=stop_after_phase)
     mm.ops.synchronize()
     return ys

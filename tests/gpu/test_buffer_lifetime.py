@@ -1,7 +1,9 @@
 """What is built for a buffer, on the GPU: a CUDA-graph capture that would build kernel
 params raises (before touching the stream) and warm-up with the layer's weights makes the
-same capture work; closing a buffer frees its params, descriptors' device memory included
-(runtime free_params), and a new buffer runs correctly afterwards."""
+same capture work, after which the buffer refuses close() until the graph is released;
+closing a buffer frees its params, descriptors' device memory included (runtime
+free_params), and a new buffer runs correctly afterwards; calls on one buffer from two
+streams, with no wait between them, run one after another and are all right."""
 import math
 
 import pytest
@@ -46,6 +48,27 @@ def test_capture_needs_the_layers_params_built_by_warmup():
     graph.replay()
     mm.ops.synchronize()
     check_outputs([y], [inputs], [second], EXPERTS, mm.ops.resolve_numerics(None))
+    with pytest.raises(RuntimeError, match="a CUDA graph captured calls on this buffer"):
+        buf.close()
+    del graph
+    buf.close(graphs_released=True)
+
+
+def test_calls_from_two_streams_run_one_after_another():
+    buf, gen, inputs = _setup(24)
+    layer = random_layer(EXPERTS, HIDDEN, INTER, "cuda", gen)
+    fill_buffer(buf, inputs)
+    mm.ops.warmup(buf, layer.l1, layer.l2, [NUM_TOKENS])
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    ys = [torch.full((NUM_TOKENS, HIDDEN), math.nan, dtype=torch.bfloat16, device="cuda") for _ in range(40)]
+    torch.cuda.synchronize()
+    for i, y in enumerate(ys):  # no wait between the streams: the buffer orders its calls
+        with torch.cuda.stream(streams[i % 2]):
+            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
+    mm.ops.synchronize()
+    check_outputs([ys[0]], [inputs], [layer], EXPERTS, mm.ops.resolve_numerics(None))
+    for i, y in enumerate(ys[1:], 1):
+        assert torch.equal(y, ys[0]), f"call {i} differs from call 0 (calls overlapped?)"
 
 
 def test_close_frees_the_params_and_a_new_buffer_works():

@@ -1,11 +1,7 @@
 """No cross-rank timeout from a slow start: rank 1 sleeps longer than the wait bound
 before its warm-up (a cold JIT stands in for the sleep) while rank 0, already warmed up,
 waits at the warm-up's group barrier; then both run calls that match the reference.
-
-Two processes share the one GPU, as two EP ranks on separate GPUs would: each allocates
-its buffer storage, the other maps it through CUDA IPC (a torch.multiprocessing queue),
-each builds its SymmBuffer from the addresses it sees, with half the SMs, and a gloo
-group serves the barrier.
+Two processes share the one GPU (ipc_ranks), as two EP ranks on separate GPUs would.
 """
 import math
 import os
@@ -13,12 +9,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megamoe_plugin as mm
-from megamoe_plugin.buffer import BufferShape, SymmBuffer, get_symm_buffer_size
 from megamoe_plugin.testing import fill_buffer, output_errors, reference_outputs
 
+from .ipc_ranks import ipc_rank_buffer, leave, run_ipc_ranks
 from .multi_rank import MULTI_RANK_SHAPES, make_world, step_inputs
 
 BOUND_S = 2.0      # MEGAMOE_TIMEOUT_S
@@ -28,26 +23,12 @@ SHAPE = MULTI_RANK_SHAPES[1]  # precompiled for two ranks on 132 // 2 SMs (tests
 NUMERICS = "fast"
 
 
-def _rank_main(rank, init_file, queues, results):
+def _rank_main(rank, num_ranks, init_file, queues, results):
     os.environ["MEGAMOE_TIMEOUT_S"] = str(BOUND_S)
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=NUM_RANKS)
-    group = dist.group.WORLD
+    buf, storages = ipc_rank_buffer(rank, num_ranks, init_file, queues, SHAPE)
+    group = buf.group
     hidden, inter, topk, local_experts, max_tokens, steps = SHAPE
-    num_experts = local_experts * NUM_RANKS
-    storage = torch.zeros(get_symm_buffer_size(NUM_RANKS, num_experts, max_tokens, topk, hidden, inter),
-                          dtype=torch.uint8, device="cuda")
-    for peer in range(NUM_RANKS):
-        if peer != rank:
-            queues[peer].put((rank, storage))
-    storages = {rank: storage}
-    for _ in range(NUM_RANKS - 1):
-        peer, peer_storage = queues[rank].get()
-        storages[peer] = peer_storage
-    peer_ptrs = tuple(storages[r].data_ptr() for r in range(NUM_RANKS))
-    shape = BufferShape(NUM_RANKS, num_experts, max_tokens, topk, hidden, inter)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count // NUM_RANKS
-    buf = SymmBuffer(shape, storage, rank, peer_ptrs, group=group, num_sms=sms)
+    num_experts = local_experts * num_ranks
     layers, gen = make_world(NUM_RANKS, SHAPE, "cuda", seed=5)
     dist.barrier(group)  # both ready: from here rank 1 is late on purpose
 
@@ -71,23 +52,12 @@ def _rank_main(rank, init_file, queues, results):
         refs = reference_outputs(inputs, layers, num_experts)
         ys = refs[:rank] + [y] + refs[rank + 1:]  # output_errors judges all ranks: the peer's are stand-ins
         lines.append((step, y.shape[0], routing, output_errors(ys, inputs, layers, num_experts, NUMERICS)[rank]))
-    results.put((rank, warmup_s, lines))
-    dist.barrier(group)  # nobody frees its storage while the peer may still map it
-    del buf, storages
-    dist.barrier(group)
-    dist.destroy_process_group()
+    results.put((rank, (warmup_s, lines)))
+    leave()
 
 
 def test_late_rank_waits_at_the_warmup_barrier_not_in_the_kernel(tmp_path):
-    ctx = mp.get_context("spawn")
-    queues = [ctx.SimpleQueue() for _ in range(NUM_RANKS)]
-    results = ctx.SimpleQueue()
-    mp.start_processes(_rank_main, args=(str(tmp_path / "init"), queues, results), nprocs=NUM_RANKS, join=True,
-                       start_method="spawn")
-    by_rank = {}
-    while not results.empty():
-        rank, warmup_s, lines = results.get()
-        by_rank[rank] = (warmup_s, lines)
+    by_rank = run_ipc_ranks(_rank_main, NUM_RANKS, tmp_path)
     assert sorted(by_rank) == list(range(NUM_RANKS))
     failures = []
     for rank, (warmup_s, lines) in sorted(by_rank.items()):
