@@ -67,7 +67,7 @@ from .progress import progress_bar
 
 # The shapes the sweep knows by name: docs/design.md section 8's reference configs and the
 # tools/e2e model's MoE layer (Qwen3-30B-A3B: qwen30's H/I/top-k with all 128 experts on
-# one rank, as benchmarks/bench_vs_vllm.py and tests/gpu/test_vllm_shaped.py run it).
+# one rank, as megamoe_plugin.bench.vs_vllm and tests/gpu/test_vllm_shaped.py run it).
 SHAPES: Mapping[str, TableShape] = {
     **REFERENCE_SHAPES,
     "e2e": TableShape(num_local_experts=128, hidden=2048, intermediate_size=768, num_topk=8),

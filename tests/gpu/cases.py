@@ -43,7 +43,7 @@ SHAPES = [
 ]
 
 
-# The e2e model's MoE layer (tools/e2e, benchmarks/bench_vs_vllm.py, tests/gpu/test_vllm_shaped.py):
+# The e2e model's MoE layer (tools/e2e, python -m megamoe_plugin.bench.vs_vllm, tests/gpu/test_vllm_shaped.py):
 # Qwen3-30B-A3B's experts, 128 on one GPU, top-8.
 def _e2e_shape():
     from megamoe_plugin.configs import TableShape
@@ -103,7 +103,7 @@ def variants():
         out += call_variants(num_ranks, local_experts * num_ranks, topk, hidden, inter, max_tokens,
                              132 // num_ranks, (True,))
     # python -m megamoe_plugin.bench on one GPU (every reference shape, as `python -m megamoe_plugin.tune` and
-    # benchmarks/bench_vs_vllm.py's e2e layer) and under torchrun on two GPUs (v3, v4flash).
+    # megamoe_plugin.bench.vs_vllm's e2e layer) and under torchrun on two GPUs (v3, v4flash).
     from megamoe_plugin.configs import REFERENCE_SHAPES
 
     for ref in list(REFERENCE_SHAPES.values()) + [_e2e_shape()]:

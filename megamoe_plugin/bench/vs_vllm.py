@@ -1,14 +1,15 @@
 """One MoE layer through vLLM's own Triton FP8 MoE and through megamoe_sm90, on the same
 BF16 hidden states, routing and block-FP8 weights: how far each is from the float32
 reference of docs/design.md section 2 and from each other, and how long each takes beside
-the floor. Needs vllm (on the GPU machine: the tools/e2e bundle, see tools/e2e/README.md).
+the floor. Needs an SM90 GPU and vllm (pip install 'megamoe_plugin[vllm,cutlass]').
 
-Default shape: the e2e model's MoE layer (H 2048, I 768, 128 experts, top-8, one GPU).
+Default shape: Qwen3-30B-A3B's MoE layer (H 2048, I 768, 128 experts, top-8) on one GPU.
 Timed as vLLM runs decode: each path captured in a CUDA graph (megamoe: stage_inputs +
 fp8_mega_moe; vLLM: fused_experts, which quantizes its input itself), L2 flushed before
 every replay, median of --iters.
 
-    python benchmarks/bench_vs_vllm.py [--tokens 1,8,64,256,512] [--hidden 2048 --inter 768 --experts 128 --topk 8]
+    python -m megamoe_plugin.bench.vs_vllm [--tokens 1,8,64,256,512]
+        [--hidden 2048 --intermediate-size 768 --num-experts 128 --topk 8]
 """
 import argparse
 import importlib.util
@@ -25,14 +26,18 @@ from megamoe_plugin.reference import calc_diff, mega_moe, token_rel_errors
 from megamoe_plugin.testing import random_layer, random_routing
 from megamoe_plugin.timing import graphed, l2_flusher, median_call_seconds
 
+PROG = "python -m megamoe_plugin.bench.vs_vllm"
+
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,8,16,32,64,128,256,512",
                    help="comma-separated token counts (one GPU) (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size H (default: %(default)s)")
-    p.add_argument("--inter", type=int, default=768, help="expert intermediate size I (default: %(default)s)")
-    p.add_argument("--experts", type=int, default=128, help="number of experts (default: %(default)s)")
+    p.add_argument("--intermediate-size", type=int, default=768,
+                   help="expert intermediate size I (default: %(default)s)")
+    p.add_argument("--num-experts", type=int, default=128, help="number of experts, all on this GPU "
+                                                                "(default: %(default)s)")
     p.add_argument("--topk", type=int, default=8, help="experts per token (default: %(default)s)")
     p.add_argument("--iters", type=int, default=50, help="timed graph replays per point; the median is "
                                                          "reported (default: %(default)s)")
@@ -41,11 +46,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main():
     args = parser().parse_args()
-    require_sm90_gpu("bench_vs_vllm.py")
+    require_sm90_gpu(PROG)
     if importlib.util.find_spec("vllm") is None:
-        sys.exit("bench_vs_vllm.py: needs vllm (pip install 'megamoe_plugin[vllm,cutlass]'), which is not installed")
+        sys.exit(f"{PROG}: needs vllm (pip install 'megamoe_plugin[vllm,cutlass]'), which is not installed")
     tokens_list = [int(t) for t in args.tokens.split(",")]
-    h, inter, num_experts, topk = args.hidden, args.inter, args.experts, args.topk
+    h, inter, num_experts, topk = args.hidden, args.intermediate_size, args.num_experts, args.topk
 
     gen = torch.Generator(device="cuda").manual_seed(7)
     bandwidth, fp8_rate = measure_hbm_bandwidth(), measure_fp8_rate()
