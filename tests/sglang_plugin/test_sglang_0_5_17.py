@@ -207,8 +207,8 @@ def test_a_forward_over_the_token_cap_is_refused_not_run_on_the_usual_path(selec
 
 def test_one_gpu_is_refused_on_0_5_17(registered):
     """0.5.17's MLP-sync step fails at world size 1 for every mega-MoE backend (refusals.py):
-    refused at resolution, naming the fix, unless the installed copy was fixed in place (as
-    tools/sglang_on_gpu/rounds.sh does on the GPU machine)."""
+    refused at resolution, naming the fix, unless the installed copy was fixed in place
+    (docs/sglang.md, "Numbers", gives the one-line fix)."""
     import inspect
 
     from sglang.srt.managers.scheduler_components.dp_attn import MLPSyncBatchInfo

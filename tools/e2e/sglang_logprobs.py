@@ -2,14 +2,14 @@
 that tools/e2e/compare_logprobs.py compares (the vLLM tools' format: one record per prompt with
 "prompt", "prompt_logprobs", "text", "token_logprobs").
 
-    python3 tools/sglang_on_gpu/logprobs.py PORT OUT.json
+    python3 tools/e2e/sglang_logprobs.py PORT OUT.json
 """
 import json
 import random
 import sys
 import urllib.request
 
-VOCAB = 32000  # the tokenizer of vllm_on_gpu's model folder
+VOCAB = 32000  # vocab_size of tools/e2e/models/*/config.json
 PROMPT_LENGTHS = (16, 128, 512, 1000)
 
 

@@ -1,10 +1,10 @@
 """Input-dependent dummy weights for an sglang server (tools/e2e/scaled_dummy_weights.py's fill),
-so that two MoE backends' logprobs can be compared (tools/sglang_on_gpu/README.md).
+so that two MoE backends' logprobs can be compared (tools/e2e/README.md).
 
 SGLang's `--load-format dummy` fills every parameter with uniform(-1e-3, 1e-3), as vLLM's does:
 hidden states vanish, every next-token distribution is uniform, and any two backends "agree".
 SGLang builds the model in its scheduler processes, which Python starts afresh, so the
-replacement goes in through this sitecustomize: serve_bench.sh puts this folder first on the
+replacement goes in through this sitecustomize: sglang_serve_bench.sh puts this folder first on the
 server's PYTHONPATH when SCALED_WEIGHTS=1. Every Python process started with it runs this
 file; it only registers an import hook (no torch, no sglang import). When
 `sglang.srt.model_loader.loader` is imported, its `initialize_dummy_weights` (which its
@@ -19,7 +19,7 @@ import os
 import sys
 
 TARGET = "sglang.srt.model_loader.loader"
-E2E_TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "e2e")
+E2E_TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tools/e2e
 
 
 def scaled(initialize_dummy_weights):

@@ -1,5 +1,5 @@
-"""tools/sglang_on_gpu on a CPU: logprobs.py turns sglang /generate answers into the records that
-tools/e2e/compare_logprobs.py compares; scaled_weights/ replaces SGLang's dummy fill."""
+"""tools/e2e's SGLang helpers on a CPU: sglang_logprobs.py turns sglang /generate answers into the
+records that compare_logprobs.py compares; sglang_scaled_weights/ replaces SGLang's dummy fill."""
 import importlib.util
 import json
 import os
@@ -19,7 +19,7 @@ def _load(name, path):
     return module
 
 
-logprobs = _load("sglang_logprobs", "tools/sglang_on_gpu/logprobs.py")
+logprobs = _load("sglang_logprobs", "tools/e2e/sglang_logprobs.py")
 compare_logprobs = _load("compare_logprobs", "tools/e2e/compare_logprobs.py")
 
 
@@ -51,7 +51,7 @@ def test_records_refuse_a_short_answer():
         logprobs.records(ids, _answers(ids[:3], 0.0))
 
 
-SCALED_WEIGHTS = ROOT / "tools" / "sglang_on_gpu" / "scaled_weights"
+SCALED_WEIGHTS = ROOT / "tools" / "e2e" / "sglang_scaled_weights"
 FAKE_LOADER = '''
 import torch
 def initialize_dummy_weights(model, low=-1e-3, high=1e-3, seed=1234):
