@@ -1,7 +1,7 @@
 """The plugin inside real sglang 0.5.17 on a CPU (its own hook points: registration.SIGNATURES_0_5_17).
 
-0.5.17 is the release whose pins fit the GPU machine (torch 2.11; docs/sglang.md, "Which
-sglang releases"). Here: loading through the entry point, the flag and its resolution around
+0.5.17 is the one release with the SM90 mega-MoE path whose pins fit torch 2.11 (docs/sglang.md,
+"Which sglang releases"). Here: loading through the entry point, the flag and its resolution around
 ServerArgs.__post_init__, the refusals that resolution adds, a changed signature, and a MoE
 layer through SGLang's real `_run_mega_routed` (the buffer and the routed forward hooked)
 with the float32 reference standing in for the kernel, and the over-the-cap refusal.
