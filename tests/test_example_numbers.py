@@ -16,5 +16,6 @@ def test_serve_example_quotes_todays_buffer_size():
     assert mib == f"{nbytes / 2**20:.1f}"
     (gib,) = re.findall(r"~([\d.]+) GiB/GPU at 8192 for V3", text)
     assert gib == f"{nbytes / 2**30:.2f}"
-    readme_row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| v3 (H 7168, I 2048, top-8) |"))
+    readme = (ROOT / "README.md").read_text().splitlines()
+    readme_row = next(line for line in readme if line.startswith("| v3 (H 7168, I 2048, top-8) |"))
     assert readme_row.rstrip(" |").split("|")[-1].strip() == gib
