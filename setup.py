@@ -49,6 +49,8 @@ setup(
     name="megamoe_plugin",
     version="0.1.0",
     description="Fused expert-parallel FP8 MoE (MegaMoE) for NVIDIA Hopper, as a vLLM and SGLang plugin",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     # The kernel sources (JIT-compiled at run time) and the tuned config tables ship inside
     # the package, so a non-editable install (pip install --target, a wheel) finds them too;
     # megamoe_plugin/paths.py prefers these copies and falls back to the source tree.

@@ -12,7 +12,7 @@
 #            combine run inside the MegaMoE kernel).                     [vLLM >= 0.33]
 #   ... model loading on each of the 8 DP ranks ...
 #   INFO ... megamoe_sm90: symmetric buffer for 256 experts, top-8, hidden 7168,
-#            intermediate 2048, up to 8192 tokens/rank over 8 EP rank(s): 5749.9 MiB per rank
+#            intermediate 2048, up to 8192 tokens/rank over 8 EP rank(s): 1884.6 MiB per rank
 #   INFO ... megamoe_sm90: compiling the kernel variants for N batch sizes (1..8192 tokens)
 #   megamoe: compiling kernels: 100%|██████████| k/k [..]    (tqdm progress bar, once per rank;
 #                                                            cached on disk for later starts)
@@ -31,7 +31,7 @@ set -euo pipefail
 
 MODEL=${MODEL:-deepseek-ai/DeepSeek-V3}
 PORT=${PORT:-8000}
-# Sizes the symmetric buffer (taken from the KV-cache budget): ~5.6 GiB/GPU at 8192 for V3.
+# Sizes the symmetric buffer (taken from the KV-cache budget): ~1.84 GiB/GPU at 8192 for V3.
 MAX_BATCHED_TOKENS=${MAX_BATCHED_TOKENS:-8192}
 
 exec vllm serve "$MODEL" \

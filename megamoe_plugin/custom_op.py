@@ -2,7 +2,7 @@
 that torch.compile (vLLM compiles its models) traces a MoE layer without a graph break.
 
 The op writes y in place (declared mutated, as is the expert-stats tensor the kernel adds
-to) and returns nothing. A SymmBuffer is a Python object, which an op schema cannot carry:
+to) and returns nothing. A SymmBuffer is a Python object, which an op schema cannot hold:
 the op takes the buffer's storage tensor (so the graph orders the op after the staging
 that writes it) and the buffer's int `key`, which the eager implementation resolves to the
 SymmBuffer (buffer.buffer_of). The weights travel as their four tensors.

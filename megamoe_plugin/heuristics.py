@@ -27,7 +27,7 @@ BLOCK_K = 128
 # mode (swap-AB below 64: tokens on the WGMMA N side; 128: two math warpgroups of 64 rows share
 # each weight tile, fast numerics only; csrc/megamoe/config.cuh); and the ones the heuristics
 # pick by themselves. A tier joins SUPPORTED_BLOCK_M once measurements show where it wins
-# (docs/results round 7: on H200, v4flash and v3 with 32 local experts); the others run only
+# (on H200, v4flash and v3 with 32 local experts); the others run only
 # when forced (MEGAMOE_BLOCK_M, ops.select_variant) or named by a tuned config table.
 BLOCK_M_TIERS = (8, 16, 32, 64, 128)
 IMPLEMENTED_BLOCK_M = (8, 16, 32, 64, 128)

@@ -108,7 +108,7 @@ def fill_buffer(buf, inputs: Dict[str, torch.Tensor]) -> int:
 def float64_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_sf: torch.Tensor) -> torch.Tensor:
     """One expert's exact L1 output in float64 (the reference's own GEMM is float32): beside the
     reference, it tells whether a token sits at a requantization code boundary, where float32's
-    summation order alone moves a code (tools/l1_noise_sensitivity.py adds noise to it)."""
+    summation order alone moves a code."""
     return dequantize_per_token_group(x, x_sf).double() @ dequantize_weight_blocks(w, w_sf).double().T
 
 
@@ -117,11 +117,11 @@ def fp8_tensor_core_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_s
     """One expert's L1 output computed the way FP8 tensor cores compute it: cuBLAS FP8
     GEMMs (fast accumulation off) per 128-wide k-block, block scales applied in float32.
     CUDA only. FP8 tensor cores accumulate with reduced precision, so this differs from
-    the exact GEMM by up to ~1e-3 relative (docs/results), enough to flip about 1% of the
+    the exact GEMM by up to ~1e-3 relative, enough to flip about 1% of the
     requantized FP8 codes: the second reference of numerics="fast" (output_errors), whose
     kernel L1 computes the same way.
     k_chunk < 128 sums each k-block from float32 partial GEMMs of k_chunk columns (the
-    accumulator promoted to float32 more often; tools/l1_promotion_interval.py)."""
+    accumulator promoted to float32 more often)."""
     rows = x.shape[0]
     padded = -(-rows // 16) * 16  # cuBLAS FP8 wants dimensions in multiples of 16
     x = torch.cat([x, torch.zeros(padded - rows, x.shape[1], dtype=x.dtype, device=x.device)])

@@ -21,7 +21,7 @@ the heuristic's tier and its implemented neighbours (one tier down and up), each
 heuristic's stage count and at MAX_STAGES / 2; --tiers and --stages replace those sets.
 Every candidate variant is compiled first, in parallel, so no compile lands between
 timings; --compile-only stops there (nvcc needs no GPU: precompile on a CPU machine and
-carry MEGAMOE_CACHE_DIR), --dry-run prints the candidates and the number of timed runs.
+copy MEGAMOE_CACHE_DIR over), --dry-run prints the candidates and the number of timed runs.
 Each candidate is timed through megamoe_plugin.timing:
 the call captured in a CUDA graph, L2 flushed before every replay, median of --iters replays.
 """
@@ -67,7 +67,7 @@ from .progress import progress_bar
 
 # The shapes the sweep knows by name: docs/design.md section 8's reference configs and the
 # tools/e2e model's MoE layer (Qwen3-30B-A3B: qwen30's H/I/top-k with all 128 experts on
-# one rank, as benchmarks/bench_vs_vllm.py and tests/gpu/test_vllm_shaped.py run it).
+# one rank, as megamoe_plugin.bench.vs_vllm and tests/gpu/test_vllm_shaped.py run it).
 SHAPES: Mapping[str, TableShape] = {
     **REFERENCE_SHAPES,
     "e2e": TableShape(num_local_experts=128, hidden=2048, intermediate_size=768, num_topk=8),
@@ -468,7 +468,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = sweep(points, KernelTimer(points, args.iters))
     print(summary(results))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    note = (f"measured by `python -m megamoe_plugin.tune {shlex.join(argv)}` on {date}: {gpu} ({num_sms} SMs), "
+    # How the table was measured, not where this run wrote it: no --output-dir (a path of this machine).
+    shown = [a for i, a in enumerate(argv) if not a.startswith("--o")
+             and not (i and argv[i - 1].startswith("--o") and "=" not in argv[i - 1])]
+    note = (f"measured by `python -m megamoe_plugin.tune {shlex.join(shown)}` on {date}: {gpu} ({num_sms} SMs), "
             f"one rank, fast_math, median of {args.iters} CUDA-graph replays with L2 flushed")
     path = write_table(results, gpu, args.output_dir, note)
     print(f"megamoe tune: wrote {path}", file=sys.stderr)

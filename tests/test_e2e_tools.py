@@ -100,3 +100,18 @@ def test_degenerate_reference_is_refused(tmp_path, capsys):
     b = _write(tmp_path / "b.json", flat)
     assert compare_logprobs.main([a, b]) == 2
     assert "degenerate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe_fp8", "deepseek_v3_fp8"])
+def test_e2e_models_have_the_layer_the_benchmarks_time(model):
+    """The served models' MoE layer is the one `python -m megamoe_plugin.bench.vs_vllm` times by
+    default (and the tuner's "e2e" shape): H 2048, I 768, 128 experts, top-8, 32000 tokens."""
+    from megamoe_plugin.bench import vs_vllm
+    from megamoe_plugin.model_config import read_config
+
+    folder = Path(__file__).resolve().parent.parent / "tools" / "e2e" / "models" / model
+    shape = read_config(str(folder))
+    defaults = vs_vllm.parser().parse_args([])
+    assert (shape.hidden, shape.intermediate_size, shape.num_experts, shape.num_topk) == (
+        defaults.hidden, defaults.intermediate_size, defaults.num_experts, defaults.topk)
+    assert json.loads((folder / "config.json").read_text())["vocab_size"] == 32000

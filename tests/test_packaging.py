@@ -1,6 +1,6 @@
-"""A non-editable install (a wheel, `pip install --target`: how vLLM users and the GPU
-harness install plugins) must carry the JIT kernel sources and the config tables, and
-must hash the sources exactly as the source tree does, so a carried JIT cache still hits."""
+"""A non-editable install (a wheel, `pip install --target`: how vLLM users install
+plugins) must ship the JIT kernel sources and the config tables, and must hash the
+sources exactly as the source tree does, so a JIT cache built from a checkout still hits."""
 import json
 import os
 import re
@@ -51,6 +51,18 @@ def test_wheel_metadata_states_python_and_test_extra(wheel):
     # tools/gpu_check.sh runs pytest --timeout, which needs pytest-timeout.
     assert any(line.startswith("Requires-Dist: pytest-timeout") and 'extra == "test"' in line for line in lines)
     assert "megamoe_plugin/jit/__main__.py" in zf.namelist()
+
+
+def test_wheel_states_and_ships_the_license(wheel):
+    zf = zipfile.ZipFile(wheel)
+    (metadata,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+    lines = zf.read(metadata).decode().splitlines()
+    # setuptools writes License (older) or License-Expression (newer) for setup(license=...).
+    assert {"License: Apache-2.0", "License-Expression: Apache-2.0"} & set(lines)
+    (license_file,) = [n for n in zf.namelist() if n.endswith(".dist-info/licenses/LICENSE")
+                       or n.endswith(".dist-info/LICENSE")]
+    assert zf.read(license_file).decode() == (REPO / "LICENSE").read_text()
+    assert "Apache License" in (REPO / "LICENSE").read_text().splitlines()[1]
 
 
 def test_example_install_hints_name_the_kernel_extras():

@@ -24,10 +24,11 @@ def sweep(tmp_path, job_text, errors=0):
     fake = tmp_path / "bin" / "compute-sanitizer"
     fake.write_text(FAKE)
     fake.chmod(0o755)
-    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", OUT=str(tmp_path),
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
                FAKE_LOG=str(tmp_path / "calls.txt"), FAKE_ERRORS=str(errors))
-    run = subprocess.run(["bash", "tools/sanitizer_sweep.sh"], cwd=ROOT, input=job_text, env=env,
+    run = subprocess.run(["bash", "tools/sanitizer_sweep.sh", str(tmp_path / "results")], cwd=ROOT, input=job_text, env=env,
                          capture_output=True, text=True)
+    assert (tmp_path / "results" / "sanitizer.txt").is_file()
     return run.returncode, (tmp_path / "calls.txt").read_text().splitlines()
 
 

@@ -15,8 +15,7 @@ E, K, H, I = 16, 4, 384, 128
 MAX_TOKENS = 33
 
 HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device: the Triton staging kernel runs on CUDA only "
-                                                     "(tested on the H200 machines)")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: the Triton staging kernel runs on CUDA only")
 
 
 def _buffer(device="cpu", max_tokens=MAX_TOKENS, topk=K, hidden=H):

@@ -1,77 +1,96 @@
 #!/usr/bin/env bash
-# One GPU-machine call: install the package, run the GPU tests, then the benchmark.
-# Usage (device tool, carry [".jitcache", ".whl"]): bash tools/gpu_check.sh [pytest args...]
-# Env: BENCH_ARGS (passed to python -m megamoe_plugin.bench, which writes its JSON and plot to $OUT/bench;
-#      BENCH=0 skips it), TEST=0 skips tests,
-#      PHASES=1 adds tools/phase_times.py (PHASES_ARGS), TIMELINE=1 adds tools/tile_timeline.py
-#      (TIMELINE_ARGS: where each GEMM tile's time goes), NCU=1 adds an Nsight Compute report of
-#      one config (NCU_ARGS, default "--configs v4flash --tokens 1"), per phase, with the
-#      shared-memory tables (wavefronts, bank conflicts) and the pipe utilization (tensor);
-#      it also samples warp stalls per SASS instruction (ncu_source.csv.gz: which instruction each
-#      warp waited at, and why). Those per-instruction counts replay the kernel instrumented, 100x
-#      slower or more: v3 at 8192 tokens did not end its L1 launch in 480 s (round 14), so profile
-#      2048 tokens or fewer (NCU_ARGS="--configs v3 --tokens 2048" puts L1 and L2 at BLOCK_M 128);
-#      the kernel's waits get NCU_KERNEL_TIMEOUT_S (600) instead of MEGAMOE_TIMEOUT_S.
-#      MICROBENCH=1 runs tools/microbench/mainloop.cu (the served main loop alone, under producers
-#      of decreasing realism, beside the bare WGMMA stream; MICROBENCH_BIN: a binary built off the
-#      GPU, else it builds here; MICROBENCH_ARGS: tiles per CTA; each variant in its own process).
-#      SANITIZER=1 adds compute-sanitizer memcheck and racecheck of every BLOCK_M tier on
-#      tests/gpu/cases.py's SANITIZER_SHAPES (small ones, pool windows among them), in each numerics
-#      mode (SANITIZER_NUMERICS, SANITIZER_TIERS: space-separated subsets), through
-#      tools/sanitizer_sweep.sh (several at once, 46 jobs in about 210 s; on 8 CTAs: fewer CTAs
-#      spinning on flags under the tools; racecheck at BLOCK_M 128 did not end in 225 s on all 132,
-#      results round 12). PRECOMPILE=1 first compiles (all CPUs) whatever the tests load that the
-#      carried cache lacks (python -m tests.gpu.cases). SOAK=1 adds tools/soak.py (SOAK_ARGS).
+# The GPU check of this checkout on a machine with an SM90 (Hopper) GPU: install the package in
+# place, run the GPU tests, then the benchmark; further parts on request.
+#
+#   bash tools/gpu_check.sh [RESULTS_DIR] [-- pytest args...]
+#
+# It runs in the checkout it belongs to, from any folder. RESULTS_DIR (default ./gpu-check-results,
+# relative to the folder it is started from) receives every log, the benchmark's JSON and plot.
+# Without an SM90 GPU it stops at once with exit status 1, and so does any failed part.
+#
+# Environment (all optional):
+#   WHEELS=DIR      install the wheels in DIR first, without an index (an offline machine: on one with
+#                   network, `pip download -d DIR nvidia-cutlass pytest-timeout`); default: none
+#   INSTALL=0       do not `pip install -e .` (the package is installed already)
+#   MEGAMOE_CACHE_DIR  the kernel cache (default ~/.cache/megamoe_plugin); a cache pre-built on a
+#                   machine with nvcc (PRECOMPILE below, or python -m megamoe_plugin.jit --build)
+#                   saves the GPU machine the compiles
+#   MEGAMOE_TIMEOUT_S  bound of every in-kernel wait (default here 10 s: a hang fails fast)
+#   TEST=0          skip the GPU tests (tests/gpu and tests/test_staging.py); TEST_TIMEOUT (s, 1800)
+#   BENCH=0         skip `python -m megamoe_plugin.bench` (BENCH_ARGS: its options; BENCH_TIMEOUT, 600)
+#   PRECOMPILE=1    first compile every variant the tests, sanitizer runs and benchmarks load
+#                   (python -m tests.gpu.cases; all CPUs; PRECOMPILE_TIMEOUT, 1800)
+#   SANITIZER=1     compute-sanitizer memcheck and racecheck of every tile tier on tests/gpu/cases.py's
+#                   SANITIZER_SHAPES in both numerics modes (SANITIZER_NUMERICS, SANITIZER_TIERS:
+#                   space-separated subsets), through tools/sanitizer_sweep.sh
+#   PHASES=1        tools/phase_times.py (PHASES_ARGS): where a call's time goes, phase by phase
+#   TIMELINE=1      tools/tile_timeline.py (TIMELINE_ARGS): where each GEMM tile's time goes
+#   SOAK=1          tools/soak.py (SOAK_ARGS): many calls on one buffer, some checked
+#   PYTHON          the interpreter (default python3)
 set -u -o pipefail
-# MEGAMOE_CACHE_DIR and WHEELS default to this tree's .jitcache and .whl; set them to run
-# another checkout (e.g. a git worktree of a branch: cd there, bash <main>/tools/gpu_check.sh).
-source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
+RESULTS_DIR=./gpu-check-results
+if [ $# -gt 0 ] && [ "$1" != "--" ]; then RESULTS_DIR=$1; shift; fi
+[ "${1:-}" = "--" ] && shift
+TOOLS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PY=${PYTHON:-python3}
+mkdir -p "$RESULTS_DIR" && RESULTS_DIR=$(cd "$RESULTS_DIR" && pwd) || exit 1
+[ -z "${WHEELS:-}" ] || WHEELS=$(cd "$WHEELS" && pwd) || exit 1
+cd "$TOOLS/.." || exit 1
+export PYTHONUNBUFFERED=1 MEGAMOE_TIMEOUT_S="${MEGAMOE_TIMEOUT_S:-10}"
+
+"$PY" - << 'PY' || exit 1
+import sys
+try:
+    import torch
+except ImportError:
+    sys.exit("gpu_check: needs torch with CUDA and an SM90 (Hopper) GPU; torch is not installed")
+if not torch.cuda.is_available():
+    sys.exit("gpu_check: needs an SM90 (Hopper) GPU; CUDA is not available here")
+names = [f"{torch.cuda.get_device_name(i)} (SM{''.join(map(str, torch.cuda.get_device_capability(i)))})"
+         for i in range(torch.cuda.device_count())]
+if torch.cuda.get_device_capability(0) != (9, 0):
+    sys.exit(f"gpu_check: needs an SM90 (Hopper) GPU; GPU 0 is {names[0]}")
+print("gpu_check: " + ", ".join(names))
+PY
+
+if [ -n "${WHEELS:-}" ]; then
+  "$PY" -m pip install -q --no-index --no-deps "$WHEELS"/*.whl > "$RESULTS_DIR/wheels.log" 2>&1 ||
+    { cat "$RESULTS_DIR/wheels.log"; echo "gpu_check: installing the wheels of $WHEELS failed" >&2; exit 1; }
+fi
+if [ "${INSTALL:-1}" != 0 ]; then
+  "$PY" -m pip install -q --no-build-isolation --no-deps -e . > "$RESULTS_DIR/install.log" 2>&1 ||
+    { cat "$RESULTS_DIR/install.log"; echo "gpu_check: pip install -e . failed" >&2; exit 1; }
+fi
+
 rc=0
+fail() { echo "gpu_check: $1 failed" >&2; rc=1; }
 if [ "${PRECOMPILE:-0}" != 0 ]; then
-  ls "$MEGAMOE_CACHE_DIR" 2>/dev/null | grep -v "^\." | wc -l | sed 's/^/cubins carried: /'
-  timeout "${PRECOMPILE_TIMEOUT:-300}" python3 -m tests.gpu.cases > "$OUT/precompile.log" 2>&1
-  tail -1 "$OUT/precompile.log"
+  timeout "${PRECOMPILE_TIMEOUT:-1800}" "$PY" -m tests.gpu.cases > "$RESULTS_DIR/precompile.log" 2>&1 || fail precompile
+  tail -1 "$RESULTS_DIR/precompile.log"
 fi
 if [ "${TEST:-1}" != 0 ]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -s -rs --timeout 300 tests/gpu tests/test_staging.py "$@" 2>&1 | tee "$OUT/tests.log"; rc=$?
+  timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest -q -s -rs --timeout 300 tests/gpu tests/test_staging.py "$@" 2>&1 |
+    tee "$RESULTS_DIR/tests.log" || fail "the GPU tests"
 fi
 if [ "${BENCH:-1}" != 0 ]; then
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m megamoe_plugin.bench --results "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  timeout "${BENCH_TIMEOUT:-600}" "$PY" -m megamoe_plugin.bench --results "$RESULTS_DIR/bench" ${BENCH_ARGS:-} 2>&1 |
+    tee "$RESULTS_DIR/bench.log" || fail "the benchmark"
 fi
 if [ "${SOAK:-0}" != 0 ]; then
-  timeout "${SOAK_TIMEOUT:-300}" python3 tools/soak.py ${SOAK_ARGS:-} 2>&1 | tee "$OUT/soak.log" || rc=1
+  timeout "${SOAK_TIMEOUT:-1800}" "$PY" "$TOOLS/soak.py" ${SOAK_ARGS:-} 2>&1 | tee "$RESULTS_DIR/soak.log" || fail soak
 fi
 if [ "${PHASES:-0}" != 0 ]; then
-  timeout "${PHASES_TIMEOUT:-300}" python3 tools/phase_times.py ${PHASES_ARGS:-} 2>&1 | tee "$OUT/phase_times.txt"
+  timeout "${PHASES_TIMEOUT:-600}" "$PY" "$TOOLS/phase_times.py" ${PHASES_ARGS:-} 2>&1 |
+    tee "$RESULTS_DIR/phase_times.txt" || fail phase_times
 fi
 if [ "${TIMELINE:-0}" != 0 ]; then
-  timeout "${TIMELINE_TIMEOUT:-300}" python3 tools/tile_timeline.py ${TIMELINE_ARGS:-} 2>&1 | tee "$OUT/tile_timeline.txt"
+  timeout "${TIMELINE_TIMEOUT:-600}" "$PY" "$TOOLS/tile_timeline.py" ${TIMELINE_ARGS:-} 2>&1 |
+    tee "$RESULTS_DIR/tile_timeline.txt" || fail tile_timeline
 fi
-if [ "${NCU:-0}" != 0 ]; then
-  MEGAMOE_TIMEOUT_S="${NCU_KERNEL_TIMEOUT_S:-600}" timeout "${NCU_TIMEOUT:-300}" \
-    ncu --profile-from-start off --clock-control none --section SpeedOfLight \
-      --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis \
-      --section WarpStateStats --section SchedulerStats --section SourceCounters -o "$OUT/profile" \
-      python3 tools/phase_times.py ${NCU_ARGS:---configs v4flash --tokens 1} --iters 1 --profile > "$OUT/ncu.log" 2>&1
-  ncu --import "$OUT/profile.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
-  ncu --import "$OUT/profile.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/ncu_source.csv.gz"
-  tail -5 "$OUT/ncu.log"; grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)" "$OUT/ncu_details.txt"
-fi
-if [ "${MICROBENCH:-0}" != 0 ]; then
-  bin="${MICROBENCH_BIN:-/tmp/mainloop}"
-  [ -x "$bin" ] || nvcc $(python3 -c "from megamoe_plugin.jit import nvcc_flags; print(*nvcc_flags())") -I csrc \
-      -I "$(python3 -c "from megamoe_plugin.jit import cutlass_include_dir; print(cutlass_include_dir())")" \
-      tools/microbench/mainloop.cu -o "$bin" > "$OUT/microbench_build.log" 2>&1
-  # One process per variant, each under its own timeout: a hang names its variant, and the rest still run.
-  "$bin" 8 --list | while read -r variant; do
-    timeout "${MICROBENCH_TIMEOUT:-30}" "$bin" ${MICROBENCH_ARGS:-8} "$variant" 2>&1 || echo "$variant: exit $?"
-  done | awk '!seen[$0]++' | tee "$OUT/mainloop.txt"  # the device and column lines once
-  if grep -q ": exit \|did not finish\|timed out" "$OUT/mainloop.txt"; then rc=1; fi
-fi
-if [ "${SANITIZER:-0}" != 0 ]; then  # tests/gpu/cases.py's jobs (shape, mode, tool, tier) for tools/sanitizer_sweep.sh
+if [ "${SANITIZER:-0}" != 0 ]; then
   numerics=${SANITIZER_NUMERICS:-} tiers=${SANITIZER_TIERS:-}
-  python3 -m tests.gpu.cases --jobs ${numerics:+--numerics ${numerics// /,}} ${tiers:+--tiers ${tiers// /,}} |
-    bash "$(dirname "${BASH_SOURCE[0]}")/sanitizer_sweep.sh" | tail -1 || rc=1
+  "$PY" -m tests.gpu.cases --jobs ${numerics:+--numerics ${numerics// /,}} ${tiers:+--tiers ${tiers// /,}} |
+    bash "$TOOLS/sanitizer_sweep.sh" "$RESULTS_DIR/sanitizer" | tail -1 || fail "the sanitizer sweep"
 fi
-ls "$MEGAMOE_CACHE_DIR" | grep -v "^\." | sort > "$OUT/jitcache_after.txt"
+[ "$rc" = 0 ] && echo "gpu_check: passed; logs in $RESULTS_DIR" || echo "gpu_check: FAILED; logs in $RESULTS_DIR" >&2
 exit $rc

@@ -1,4 +1,4 @@
-"""Soak: many calls on one buffer, as a server makes them (issue: serving for days).
+"""Soak: many calls on one buffer, as a server makes them (serving for days).
 
 Random token counts from 0 to the buffer's maximum on every call, no host sync between
 calls; every --check-every-th call is checked against docs/design.md section 2 for its numerics

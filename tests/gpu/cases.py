@@ -1,12 +1,12 @@
-"""Shapes the single-GPU kernel tests run, and a CPU-side precompile of the variants a GPU hold loads.
+"""Shapes the single-GPU kernel tests run, and a precompile of the variants a GPU run loads.
 
 `python -m tests.gpu.cases` compiles every kernel variant the GPU tests, the sanitizer runs and the
-benchmarks will load, so a GPU session spends its time running, not compiling (carry
-MEGAMOE_CACHE_DIR along, e.g. as a .tar.xz: tools/device_env.sh JITCACHE_TARBALL).
-  --bench   only `python -m megamoe_plugin.bench --configs v3,v4flash`'s (both numerics): the base
-            tree of an A/B (tools/ab_bench.sh), compiled in a checkout of that tree;
+benchmarks will load (nvcc only, no GPU needed), so that the GPU machine spends its time running,
+not compiling: compile on a machine with nvcc, copy MEGAMOE_CACHE_DIR to the GPU machine. The variants
+are those an H200 selects (132 SMs, configs/NVIDIA_H200.json); another GPU may still compile a few.
+  --bench   only `python -m megamoe_plugin.bench --configs v3,v4flash`'s (both numerics);
   --lag     only tools/tile_timeline.py's runs of LAG_RUNS (where the pull ends and the scatter starts);
-  --x2      only what a two-GPU hold loads (torchrun: tests.gpu.multi_rank, the R = 2 benchmark);
+  --x2      only what a run on two GPUs loads (torchrun: tests.gpu.multi_rank, the R = 2 benchmark);
   --jobs    print the sanitizer runs, one job per line for tools/sanitizer_sweep.sh
             (tools/gpu_check.sh SANITIZER=1), optionally only --numerics M,... and --tiers B,...
 """
@@ -43,7 +43,7 @@ SHAPES = [
 ]
 
 
-# The e2e model's MoE layer (tools/e2e, benchmarks/bench_vs_vllm.py, tests/gpu/test_vllm_shaped.py):
+# The e2e model's MoE layer (tools/e2e, python -m megamoe_plugin.bench.vs_vllm, tests/gpu/test_vllm_shaped.py):
 # Qwen3-30B-A3B's experts, 128 on one GPU, top-8.
 def _e2e_shape():
     from megamoe_plugin.configs import TableShape
@@ -107,7 +107,7 @@ def variants():
         out += call_variants(num_ranks, local_experts * num_ranks, topk, hidden, inter, max_tokens,
                              132 // num_ranks, (True,))
     # python -m megamoe_plugin.bench on one GPU (every reference shape, as `python -m megamoe_plugin.tune` and
-    # benchmarks/bench_vs_vllm.py's e2e layer) and under torchrun on two GPUs (v3, v4flash).
+    # megamoe_plugin.bench.vs_vllm's e2e layer) and under torchrun on two GPUs (v3, v4flash).
     from megamoe_plugin.configs import REFERENCE_SHAPES
 
     for ref in list(REFERENCE_SHAPES.values()) + [_e2e_shape()]:
@@ -159,7 +159,7 @@ def variants():
 
 
 # compute-sanitizer's runs: tools/debug_phases.py H I K E N on SANITIZER_SMS CTAs with each tier
-# forced, and its pool rows (None: the default pools). Each job line carries them all. Round 21's shape; one at I 2048 whose pool rows
+# forced, and its pool rows (None: the default pools), all on each job line. A small shape; one at I 2048 whose pool rows
 # outnumber those pulled before L1 (fast numerics pulls the rest during L1); and pools of 128 rows for
 # 256 entries, so that every tier runs the call in pool windows (the window kernel too).
 SANITIZER_SMS = 8  # tools/sanitizer_sweep.sh: fewer CTAs spinning on flags under the tools
@@ -219,7 +219,7 @@ def lag_timeline_variants(num_ranks, num_sms, numerics):
 
 
 def lag_variants():
-    """Round 29's lag.sh: LAG_RUNS side by side on one H200."""
+    """tools/tile_timeline.py's LAG_RUNS, R ranks side by side on one H200."""
     return list(dict.fromkeys(v for num_ranks, numerics in LAG_RUNS
                               for v in lag_timeline_variants(num_ranks, 132 // num_ranks, numerics)))
 

@@ -9,7 +9,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2 or torch.cuda.get_device_capability() != (9, 0),
-    reason="needs two SM90 GPUs with NVLink; run on nvidia-h200-x2")
+    reason="needs two SM90 GPUs with NVLink")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from megamoe_plugin.testing import check_outputs, random_routing
 from .cases import Shape
 from .single_gpu import layer_and_buffer
 
-# Qwen3-30B-A3B's expert shape (the vllm_on_gpu model): H 2048, I 768, 128 experts, top-8.
+# Qwen3-30B-A3B's expert shape (tools/e2e/models/qwen3_moe_fp8): H 2048, I 768, 128 experts, top-8.
 HIDDEN, INTER, EXPERTS, TOPK, MAX_TOKENS = 2048, 768, 128, 8, 256
 
 

@@ -20,8 +20,9 @@ SKIP_REASON = ("sglang is not installed: the SGLang plugin tests run in their ow
 # tests run where sglang 0.5.17 is installed (README, "SGLang tests"), the others elsewhere.
 SGLANG_VERSION = importlib.metadata.version("sglang") if HAVE_SGLANG else None
 ON_0_5_17 = SGLANG_VERSION == "0.5.17"
-only_0_5_17 = pytest.mark.skipif(not ON_0_5_17, reason=f"sglang 0.5.17's hook points; this is sglang {SGLANG_VERSION}")
-not_0_5_17 = pytest.mark.skipif(ON_0_5_17, reason="sglang >= 0.5.23's hook points; this is sglang 0.5.17")
+_INSTALLED = f"sglang {SGLANG_VERSION} is installed" if HAVE_SGLANG else "sglang is not installed"
+only_0_5_17 = pytest.mark.skipif(not ON_0_5_17, reason=f"needs sglang 0.5.17 (its own hook points); {_INSTALLED}")
+not_0_5_17 = pytest.mark.skipif(ON_0_5_17, reason=f"needs sglang >= 0.5.23 (its hook points); {_INSTALLED}")
 
 # The vLLM tests' fixture model (config only): a Qwen3-MoE with 128x128 block-FP8 experts.
 FIXTURE_MODEL = Path(__file__).resolve().parents[1] / "vllm_plugin" / "fixtures" / "tiny_fp8_moe"

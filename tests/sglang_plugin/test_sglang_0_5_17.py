@@ -1,7 +1,7 @@
 """The plugin inside real sglang 0.5.17 on a CPU (its own hook points: registration.SIGNATURES_0_5_17).
 
-0.5.17 is the release whose pins fit the GPU machine (torch 2.11; docs/sglang.md, "Which
-sglang releases"). Here: loading through the entry point, the flag and its resolution around
+0.5.17 is the one release with the SM90 mega-MoE path whose pins fit torch 2.11 (docs/sglang.md,
+"Which sglang releases"). Here: loading through the entry point, the flag and its resolution around
 ServerArgs.__post_init__, the refusals that resolution adds, a changed signature, and a MoE
 layer through SGLang's real `_run_mega_routed` (the buffer and the routed forward hooked)
 with the float32 reference standing in for the kernel, and the over-the-cap refusal.
@@ -207,8 +207,8 @@ def test_a_forward_over_the_token_cap_is_refused_not_run_on_the_usual_path(selec
 
 def test_one_gpu_is_refused_on_0_5_17(registered):
     """0.5.17's MLP-sync step fails at world size 1 for every mega-MoE backend (refusals.py):
-    refused at resolution, naming the fix, unless the installed copy was fixed in place (as
-    tools/sglang_on_gpu/rounds.sh does on the GPU machine)."""
+    refused at resolution, naming the fix, unless the installed copy was fixed in place
+    (docs/sglang.md, "Numbers", gives the one-line fix)."""
     import inspect
 
     from sglang.srt.managers.scheduler_components.dp_attn import MLPSyncBatchInfo

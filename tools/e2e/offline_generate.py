@@ -1,7 +1,7 @@
-"""Offline check (issue 5): load the dummy-weight FP8 MoE model with the plugin's
-backend through `LLM(...)` and generate text. Run as gpu_run.sh's RUN_CMD (MODEL_DIR set).
+"""Offline check: load the dummy-weight FP8 MoE model with the plugin's backend through
+`LLM(...)` and generate text; exit status 1 if a prompt got no tokens.
 
-    MODEL_DIR=... python3 tools/e2e/offline_generate.py
+    MODEL_DIR=<config.json + tokenizer folder> python3 tools/e2e/offline_generate.py
 """
 import os
 import sys
