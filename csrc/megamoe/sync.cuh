@@ -197,14 +197,20 @@ __device__ __forceinline__ void rank_sync(const KernelParams& p, uint32_t* signa
       __threadfence_system();
       const unsigned long long arrival = static_cast<unsigned long long>(p.call_tag) << 32 | call;
       for (int r = 0; r < kNumRanks; ++r) {
+        if (r == p.rank) continue;
         uint32_t* peer_signals = reinterpret_cast<uint32_t*>(p.peer_base[r] + p.off.signals);
         st_release_sys_u64(rank_arrival_slot(peer_signals, p.rank), arrival);
       }
+      // Its own slot last: once it shows, every peer holds this rank's arrival (release), so a rank
+      // that stops at the check below has told every peer what it called first, and each peer stops
+      // by name too, instead of waiting for an arrival that a trap cut off.
+      st_release_sys_u64(rank_arrival_slot(signals, p.rank), arrival);
     }
-    // Rank by rank: a timeout's code names the rank waited for (kErrRankNotArrived + r). The
+    // Rank by rank, from this one: a timeout's code names the rank waited for (kErrRankNotArrived + r). The
     // failure paths are this lean on purpose: a mask of every missing rank, computed here or in a
     // helper, cost the BLOCK_M 64 variants 28-124 B of spills.
-    for (int r = 0; r < kNumRanks; ++r) {
+    for (int i = 0; i < kNumRanks; ++i) {
+      const int r = (p.rank + i) % kNumRanks;  // this rank's own slot first (see above)
       unsigned long long slot;
       bounded_wait(p, kErrRankNotArrived + r, [&] {
         slot = ld_acquire_sys_u64(rank_arrival_slot(signals, r));
