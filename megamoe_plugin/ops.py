@@ -261,11 +261,14 @@ def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool, numerics: 
     """The kernel variant a call with `num_tokens` (per rank) runs: the shipped table, else the
     heuristic; MEGAMOE_BLOCK_M and MEGAMOE_NUM_STAGES force the tier and the depth. Memoized,
     as it runs on every call; the environment variables it reads are part of the key."""
-    key = (buf.shape, _device_name(buf.device), _grid_size(buf), num_tokens, fast_math, numerics,
-           settings.forced_block_m(), settings.forced_num_stages(), settings.configs_dir())
+    device_name, grid_size = _device_name(buf.device), _grid_size(buf)
+    forced_block_m, forced_num_stages = settings.forced_block_m(), settings.forced_num_stages()
+    key = (buf.shape, device_name, grid_size, num_tokens, fast_math, numerics, forced_block_m, forced_num_stages,
+           settings.configs_dir())
     variant = _variants.get(key)
     if variant is None:
-        variant = _variants[key] = variant_for(*key[:8])
+        variant = _variants[key] = variant_for(buf.shape, device_name, grid_size, num_tokens, fast_math, numerics,
+                                               forced_block_m, forced_num_stages)
     return variant
 
 

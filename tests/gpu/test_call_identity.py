@@ -38,7 +38,7 @@ from .multi_rank import MULTI_RANK_SHAPES, launch_side_by_side, make_world, step
 BOUND_S = 3.0  # MEGAMOE_TIMEOUT_S
 SHAPE = MULTI_RANK_SHAPES[1]
 TOKENS = SHAPE[4]  # every call's config_num_tokens: one variant per numerics mode
-RANK_DEADLINE_S = 90  # a rank process's whole run
+RANK_DEADLINE_S = 45  # a rank process's whole run
 MISMATCH = "stopped at the cross-rank barrier's call check"
 
 
