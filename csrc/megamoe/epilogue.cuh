@@ -72,7 +72,7 @@ struct TileRows {
 // (Cfg::kEarlyEpilogueRows) the loads go out when the tile starts (at_tile_start) and the epilogue
 // takes the values (row); elsewhere row() loads them where the epilogue needs them. Read after the
 // main loop, these loads queue behind the next tile's stage loads, which the producer issues as
-// soon as the main loop frees its stages, and the epilogue waits for them (docs/design.md 4.5).
+// soon as the main loop frees its stages, and the epilogue waits for them (docs/design.md section 9).
 template <class Cfg, bool kIsL2>
 struct EpilogueRows {
   using Value = std::conditional_t<kIsL2, int2, float>;
