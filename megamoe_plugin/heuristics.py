@@ -34,8 +34,8 @@ IMPLEMENTED_BLOCK_M = (8, 16, 32, 64, 128)
 SUPPORTED_BLOCK_M = (8, 16, 32, 64, 128)
 _EXACT_BLOCK_M = (8, 16, 32, 64)  # exact L1 (FP16 tensor cores) has no BLOCK_M 128 tier
 # (largest expected tokens per expert, preferred tier); above the last bound the largest tier.
-# Round 7: 8 won up to 2 rows per expert, 16 at 6-8, 32 at 24 (v4flash), 64 at 32 (v3); 128
-# above 64 rows is the prediction of halving the weight traffic per token, for the sweep to check.
+# The bounds are where each tier wins on one H200 (docs/design.md section 9); the largest tier
+# above 64 rows halves the weight traffic per token against 64.
 _TIER_UPPER_BOUNDS = ((4.0, 8), (8.0, 16), (24.0, 32), (64.0, 64))
 
 # docs/design.md section 2's two numerics modes: "fast" runs L1 on FP8 tensor cores (the default),

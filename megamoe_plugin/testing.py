@@ -151,10 +151,10 @@ def reference_outputs(inputs: List[Dict[str, torch.Tensor]], layers: List[Layer]
 
 # Fast mode against the exact reference: a token or a call over section 2's bound passes where the
 # FP8-tensor-core reference (cuBLAS FP8 L1) misses it as far: within this factor and margin of that
-# reference's own error against the exact one. Round 25 measured such misses (a one-token call at
-# calc_diff 5.91e-5, a token at 3.001e-2 on H 2048 / I 768) where cuBLAS gave 5.909e-5 and 3.000e-2:
-# they are FP8 tensor cores' numerics, which the second check (1e-2 per token against that
-# reference) holds the kernel to.
+# reference's own error against the exact one. Such misses occur (a one-token call at calc_diff
+# 5.91e-5, a token at 3.001e-2 on H 2048 / I 768, where cuBLAS gives 5.909e-5 and 3.000e-2): they
+# are FP8 tensor cores' numerics, which the second check (1e-2 per token against that reference)
+# holds the kernel to.
 FP8_TENSOR_CORE_MISS_FACTOR = 1.25
 FP8_TENSOR_CORE_MISS_MARGIN = {"token": 1e-3, "calc_diff": 1e-6}
 

@@ -45,8 +45,9 @@ struct KernelConfig {
   static constexpr int kEntryRegisters = 168;  // 65536 / 384, in setmaxnreg's steps of 8
   // 224 x 256 + 56 x 128 = 168 x 384, the CTA's registers at launch: setmaxnreg moves registers
   // within that pool, and a larger sum leaves the math warps' increase waiting forever (232 + 48
-  // hung every BLOCK_M 128 call). Since the producer warpgroup's warp 1 counts the L2 tiles' rows
-  // for the combine (combine.cuh signal_l2_rows), 232 + 40 spilled 90-216 B; 224 + 56 none.
+  // hangs every BLOCK_M 128 call). The producer warpgroup's warp 1 counts the L2 tiles' rows for
+  // the combine (combine.cuh signal_l2_rows), which 40 registers cannot hold without spilling;
+  // 224 + 56 compiles clean (docs/design.md section 9).
   static constexpr int kMathRegisters = 224;
   static constexpr int kProducerRegisters = 56;
   // The epilogues' per-row loads go out before the main loop where the registers allow
@@ -56,7 +57,7 @@ struct KernelConfig {
   // The window kernel (kernel.cuh mega_moe_windows) runs the pool windows after the first in a loop,
   // except at the rebalanced tier: there a loop around the setmaxnreg regions made ptxas spill 1.5 KB
   // and serialize the WGMMAs, and racecheck reported hazards from the loop's second window on
-  // (results round 24), so the host launches the window kernel once per window a call can have
+  // (docs/design.md 4.9), so the host launches the window kernel once per window a call can have
   // (buffer.py BufferShape.window_kernel_launches; the JIT source checks it agrees).
   static constexpr bool kWindowLoop = !kRebalanceRegisters;
   // The first pool row of the tile that warpgroup `wg` computes, and the 128-row weight block
@@ -71,9 +72,9 @@ struct KernelConfig {
   // converters), pull the rest while the L1 tiles run (kernel.cuh); elsewhere every warp pulls every
   // row first.
   // Only where L1 has the work per pulled row to hide three warps' pull: 4 I FLOPs per byte,
-  // whatever H. At I 768 (the e2e and qwen30 shapes) L1 tiles waited on the pullers, and pulling
-  // every row first with all 12 warps was 14-29% faster at BLOCK_M 128 and 3-12% at 64 (2048 and
-  // 8192 tokens); at I 2048 (v3, v4flash) the two were level within 1.3% (docs/results round 21).
+  // whatever H. At I 768 (the e2e and qwen30 shapes) L1 tiles wait on the pullers, and pulling
+  // every row first with all 12 warps is the faster schedule; at I 2048 (v3, v4flash) the two are
+  // level (docs/design.md section 9).
   static constexpr bool kPullDuringL1 = !kExactL1 && kInter >= 2048;
   static constexpr int kPullHeadRowsPerWarp = 2;
   // Slots of the L2 tile queue (pipeline.cuh L2TileQueue): more than the tiles the producer can run

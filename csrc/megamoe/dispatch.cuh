@@ -309,10 +309,10 @@ __device__ __forceinline__ void publish_pulled_rows(int* rows_arrived, const Exp
 // per-(expert, source rank) counts and offsets from shared memory. The rows are published for the
 // L1 tiles that wait for them once the warp has pulled its share, behind one fence
 // (publish_pulled_rows): a fence per row makes each row's stores land before the next row's loads
-// go out, 9-13 us of v3's pull at 2048 tokens (results round 26, call 12). The CTA goes on to L1
+// go out, which serializes the pull (docs/design.md section 9). The CTA goes on to L1
 // after its share anyway, so other CTAs' tiles see the rows that much later at most. At BLOCK_M 128
 // (rebalanced registers) each row is published as it lands (publish_pulled_row): without a fence
-// in this loop ptxas spills a kernel-wide value there (56-60 B, results round 27).
+// in this loop ptxas spills a kernel-wide value there.
 template <class Cfg>
 __device__ void dispatch_pull(const KernelParams& p, uint8_t* base, const ExpertTables& t, const int* src_count,
                               const int* src_offset, int row_end) {
@@ -342,8 +342,8 @@ __device__ void pull_rows_during_l1(const KernelParams& p, uint8_t* base, const 
                                     int row_end, int worker, int num_workers, int half) {
   constexpr int EL = Cfg::kNumLocalExperts;
   for (int row = first_row + worker; row < row_end; row += num_workers) {
-    // The regions' addresses are formed anew in each row: hoisted out of the loop they were a
-    // dozen 64-bit values live through it, which spilled at the producer's register budget.
+    // The regions' addresses are formed anew in each row: hoisted out of the loop they would be a
+    // dozen 64-bit values live through it, which spill at the producer's register budget.
     asm volatile("" : "+l"(base));
     const int el = last_le(t.exp_start, EL, row);
     const int e = p.rank * EL + el;  // global expert

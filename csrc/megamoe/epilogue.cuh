@@ -72,8 +72,7 @@ struct TileRows {
 // (Cfg::kEarlyEpilogueRows) the loads go out when the tile starts (at_tile_start) and the epilogue
 // takes the values (row); elsewhere row() loads them where the epilogue needs them. Read after the
 // main loop, these loads queue behind the next tile's stage loads, which the producer issues as
-// soon as the main loop frees its stages (results round 12: 3.4 us of a 15 us L2 tile went to its
-// epilogue, half that where only one warpgroup's rows were valid).
+// soon as the main loop frees its stages, and the epilogue waits for them (docs/design.md section 9).
 template <class Cfg, bool kIsL2>
 struct EpilogueRows {
   using Value = std::conditional_t<kIsL2, int2, float>;
@@ -112,9 +111,9 @@ struct EpilogueRows {
   }
 };
 
-// A 16-byte global store if `pred`, as one predicated instruction: a guarded C++ store made ptxas
-// wrap every store of the L2 epilogue in a divergent region of its own (BSSY / BSYNC and branches,
-// a fifth of that epilogue's warp-stall samples in round 16's Nsight Compute profile).
+// A 16-byte global store if `pred`, as one predicated instruction: with a guarded C++ store ptxas
+// wraps every store of the L2 epilogue in a divergent region of its own (BSSY / BSYNC and branches,
+// where that epilogue's warps stall).
 __device__ __forceinline__ void store_16_if(bool pred, void* dst, uint4 v) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p st.global.v4.b32 [%1], {%2, %3, %4, %5};\n}\n" ::"r"(
@@ -128,8 +127,8 @@ __device__ __forceinline__ void store_16_if(bool pred, void* dst, uint4 v) {
 // One 64-byte line per fragment row of the warp (lane / 4); its four 16-byte chunks are
 // XOR-swizzled by row / 2, so that neither the quad's small writes nor the 16-byte reads meet on
 // a bank. Every lane of the warp takes part (valid row or not): write(), sync(), chunk(), sync().
-// Round 16 exchanged L2's values with three shuffles and select chains per 4 words and stored L1's
-// 2 bytes at a time (224 SEL of L2's 700-instruction epilogue; 32 stores of L1's per thread).
+// Why shared memory: in registers the exchange takes three shuffles and select chains per 4 words,
+// and L1's codes go out 2 bytes at a time (docs/design.md 4.5).
 struct QuadLines {
   static constexpr int kWarpBytes = 8 * 64;
   uint8_t* lines;  // SharedStorage::quad_lines
@@ -239,8 +238,8 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
 }
 
 // L2 (BLOCK_M 64 and 128, mma.cuh mma_tile): a row's BF16 values go out as 16-byte vectors after
-// the quad exchange (QuadLines; docs/design.md s.4: 128-bit NVLink scatter beat 32-bit stores by
-// 8-14% at large M). Lane q stores chunks 4g + q. Half h of the warpgroup covers hidden columns
+// the quad exchange (QuadLines): over NVLink 16-byte stores beat 32-bit ones at large M
+// (docs/design.md section 9). Lane q stores chunks 4g + q. Half h of the warpgroup covers hidden columns
 // 128 b + [0, 128) of the tile, b = Cfg::wg_weight_block(wg, h).
 template <class Cfg>
 __device__ __forceinline__ void l2_epilogue(const KernelParams& p, uint8_t* base, const ExpertTables& tables,

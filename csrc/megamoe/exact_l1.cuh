@@ -21,7 +21,7 @@ namespace megamoe {
 // L1 on FP16 tensor cores. Every e4m3 value is exact in FP16 and FP16 WGMMA accumulates in
 // float32, so h = a @ B13^T comes out float32-grade; FP8 WGMMA's reduced-precision
 // accumulation flips about 1% of the requantized act codes and puts ~1% of tokens past the
-// per-token bound of docs/design.md section 2 (docs/results). Layout is swap-AB for every tier:
+// per-token bound of docs/design.md section 2. Layout is swap-AB for every tier:
 // the weights are the WGMMA A operand, converted from the FP8 stage straight into registers
 // (ldmatrix + cvt, no shared-memory copy of the big operand), the BLOCK_M tokens the N side,
 // converted once per k-block into an FP16 tile both math warpgroups read (convert_l1_tokens).
@@ -96,10 +96,9 @@ __device__ void convert_l1_tokens(const KernelParams& p, const TileScheduler<Cfg
     for (int kb = 0; kb < Cfg::kL1NumKBlocks; ++kb) {
       mbar_wait(p, &tok_empty[tok.stage], tok.phase ^ 1, kErrPipelineEmptyTimeout);
       mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
-      // The stage's token scales came with its tokens (pipeline.cuh load_a): read from global memory
-      // after the first full barrier, their latency came once per tile before the conversion (+1.8%
-      // at v3 2048 tokens against the tree that read them at the tile's start behind a grid barrier;
-      // results round 27).
+      // The stage's token scales come with its tokens (pipeline.cuh load_a): read from global memory
+      // instead, their latency would come once per tile before the conversion (docs/design.md
+      // section 9).
       if (t < kN) sv.l1_token_scales[tok.stage * kN + t] = sv.a_scales(ps.stage)[sf_skew + t];
       stage_l1_tokens<kN, Role::kNumConverterThreads>(sv.a(ps.stage), sv.staging + tok.stage * Cfg::kL1TokenBytes, t);
       cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // FP16 stores -> WGMMA reads

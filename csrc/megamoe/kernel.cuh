@@ -66,7 +66,7 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
   const L2TileQueue<Cfg> queue{full};
   const L2TileMailbox<Cfg> mailbox{full};
   // L1's tiles are dealt round-robin: the loop carries the tile itself (a count of the CTA's tiles
-  // and the tile formed from it were one value more live through L1, spilled at BLOCK_M 64).
+  // and the tile formed from it would be one value more live through L1, which spills at BLOCK_M 64).
   int tile = first_tile;
   for (int tile_of_cta = 0;; ++tile_of_cta, tile += kIsL2 ? 0 : static_cast<int>(gridDim.x)) {
     if constexpr (kIsL2) {
@@ -161,9 +161,9 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
 // order. So warpgroup 0 takes its registers back only after both math warpgroups hold theirs
 // (named barrier kRegisterHandoverBarrierId): a producer with no tiles in the phase (a CTA past the
 // last tile, e.g. on a rank that received few rows) would otherwise race the math warpgroups for
-// the registers it had just released, and a math warpgroup that lost would wait for them forever.
-// The microbenchmark's stream variants, whose producers do nothing, hung this way (results round
-// 14). PTX also asks a warpgroup's warps to synchronize between two setmaxnreg; this barrier is
+// the registers it had just released, and a math warpgroup that lost would wait for them forever:
+// a main loop fed by a producer that does nothing hangs this way (docs/design.md section 9). PTX
+// also asks a warpgroup's warps to synchronize between two setmaxnreg; this barrier is
 // that for warpgroup 0, whose elected lane runs far longer than warps 1-3.
 constexpr int kRegisterHandoverBarrierId = 2;  // sync.cuh lists the barriers
 
@@ -195,8 +195,8 @@ __device__ __forceinline__ void gemm_roles(ProducerWarpgroup&& producer_wg, Math
 // SharedStorage<Cfg> lies; the launch adds 1 KiB of slack for the alignment (kSmemBytes<Cfg> does
 // not include it). The kernel addresses the members as this base + offsetof: through a
 // SharedStorage& ptxas knows the base is 1024-aligned and schedules the address arithmetic
-// differently (SASS checked with nvdisasm: not one variant stayed the same), and the served SASS
-// stays as it was measured.
+// differently (by nvdisasm, every variant's SASS changes), and the served SASS is the one its
+// performance was measured on.
 __device__ __forceinline__ uint8_t* aligned_dynamic_smem() {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   return smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
@@ -220,7 +220,7 @@ struct CtaShared {
                     reinterpret_cast<float*>(smem + offsetof(Smem, l1_token_scales))};
   int* scratch = reinterpret_cast<int*>(sv.stages);  // dispatch phases only
   // Read before this CTA reaches its first grid barrier, so before CTA 0 can advance it; kept in
-  // shared memory, since a register holding it across the GEMM phases made BLOCK_M 64 spill it.
+  // shared memory, since a register holding it across the GEMM phases makes BLOCK_M 64 spill it.
   volatile uint32_t* rounds_at_start = reinterpret_cast<uint32_t*>(smem + offsetof(Smem, rank_rounds_at_start));
 
   // The call's half of the send side (dispatch.cuh send_side): its cross-rank barrier's round & 1.
@@ -339,7 +339,7 @@ __device__ __forceinline__ bool run_pool_window(const KernelParams& p, uint8_t* 
 // CTA starts as soon as its own L2 tiles are done. Until then its warps that finished early wait at a CTA
 // barrier (at BLOCK_M < 128 the producer warpgroup's idle warps, in fast numerics from L1 on): polling
 // the tokens' counts instead (ld.acquire.sys, an L1 invalidation per poll, for the whole GEMM phases)
-// made fast decode 1.5-5% slower than main, which parked them at the cross-rank barrier (results round 29).
+// slows fast decode (docs/design.md section 9).
 template <class Cfg>
 __device__ __forceinline__ void finish_call(const KernelParams& p, uint8_t* base) {
   __syncthreads();
@@ -348,7 +348,7 @@ __device__ __forceinline__ void finish_call(const KernelParams& p, uint8_t* base
 }
 
 // The kernel body; the JIT-generated translation unit wraps it in an extern "C" __global__ entry
-// with __launch_bounds__(Cfg::kNumThreads, 1) (see jit.py).
+// with __launch_bounds__(Cfg::kNumThreads, 1) (megamoe_plugin/jit, KernelVariant.source).
 template <class Cfg>
 __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   static_assert(Cfg::kNumThreads == Role::kProducerWarpgroupThreads + Cfg::kNumMathThreads, "roles.cuh");
@@ -392,9 +392,9 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
 // grid barrier that ends the previous window's reads of the pools; at the rebalanced tier launch k
 // runs window k + 1 (the host launches it once per window a call can have; the launches past the
 // call's windows return at once, the kernel boundary ends each window), and the last one phase 7.
-// A separate kernel: in the fused kernel, a loop around the GEMM roles made ptxas spill and drop the
-// main loops' uniform registers, 12-17% slower at 512-8192 tokens (docs/design.md section 8); here
-// that costs only the calls that need windows. The peers' send side stays valid meanwhile: their
+// A separate kernel: in the fused kernel, a loop around the GEMM roles makes ptxas spill and drop the
+// main loops' uniform registers, which slows every call (docs/design.md 4.9); here that costs only
+// the calls that need windows. The peers' send side stays valid meanwhile: their
 // call's half changes only after this rank has started its next call (dispatch.cuh send_side).
 template <class Cfg>
 __device__ __forceinline__ void mega_moe_windows(const KernelParams& p) {

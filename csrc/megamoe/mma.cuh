@@ -89,17 +89,14 @@ __device__ __forceinline__ void for_each_fragment_col(F&& f) {
 // - fast numerics (MmaBatching<Cfg>::kPipelined): batches of 64 rows alternating between two
 //   32-float parts; a batch's promotion waits only for that batch (wait_group 1), so the
 //   warpgroup keeps one batch queued on the tensor cores while it promotes the previous one,
-//   across k-blocks too. Waiting for a whole 128-row half before promoting drained the tensor
-//   pipe at every batch (docs/results round 10: v3 128 tokens 429 -> 404 us, 512 679 -> 639; at
-//   BLOCK_M 128, round 16: L1 1435 -> 1672-1734 cycles per k-block with m64n128 batches waited for,
-//   L2 1433-1494 pipelined against 1617-1750 waited for as pairs of m64n64).
+//   across k-blocks too. Waiting for a whole 128-row half before promoting drains the tensor
+//   pipe at every batch (docs/design.md section 9).
 // - exact numerics: batches of 128 rows into one 64-float part, each waited for in full. Its
 //   BLOCK_M 64 L2 runs at up to 8192 tokens, where the 64-row batches' extra shared-memory reads
-//   of the token tile (read once per batch) cost more than the waits: v3 2048 tokens 3322 ->
-//   3511 us with them (round 10).
+//   of the token tile (read once per batch) cost more than the waits (docs/design.md section 9).
 // One WGMMA per batch and K step, m64nBATCHk32: fast numerics issue only m64n64k32 (a kernel with
-// m64n128 accumulators in one GEMM and m64n64 in the other had ptxas serialize every WGMMA:
-// C7511, too few registers for the WGMMA pipeline; 828 bytes spilled at v3).
+// m64n128 accumulators in one GEMM and m64n64 in the other makes ptxas serialize every WGMMA:
+// C7511, too few registers for the WGMMA pipeline, and spill).
 // A 64-row batch j of half h holds columns [64j, 64j + 64) of the half, i.e. acc[64h + 32j, +32)
 // in the m64n128 layout (chunk c of the n64 fragment is chunk 8j + c of the n128 one): batch b's
 // part always lands at acc + b * kPartFloats.
@@ -109,8 +106,8 @@ __device__ __forceinline__ void for_each_fragment_col(F&& f) {
 // at k-block kb: .x for even 8-column chunks, .y for odd ones (L1: gate, up; L2: the same).
 // False after a pipeline timeout (gemm_wait). `full_wait` gains the cycles spent waiting for
 // full stages (timeline.cuh; constant zero unless built with MEGAMOE_TIMELINE).
-// (The policy is a template argument so that tools/microbench/mainloop.cu can time the waited
-// 128-row form beside the served one.)
+// (The policy is a template argument so that a benchmark of the main loop alone can instantiate
+// the waited 128-row form beside the served one.)
 template <class Cfg, bool kPipelinedBatches = !Cfg::kExactL1>
 struct MmaBatching {
   static constexpr bool kPipelined = kPipelinedBatches;
@@ -120,8 +117,7 @@ struct MmaBatching {
   static constexpr int kPartFloats = kBatchRows / 2;  // m64nBATCH fragment per thread
   // The last batch of a k-block stays in flight across the next k-block's barrier wait, except
   // with fast_math=False: its IEEE divisions call out of line, and with a batch carried over
-  // ptxas spilled around those calls (12-104 bytes at BLOCK_M 64, round 10), so those variants
-  // drain each k-block.
+  // ptxas spills around those calls (at BLOCK_M 64), so those variants drain each k-block.
   static constexpr bool kCarryAcrossKBlocks = kPipelined && Cfg::kFastMath;
   using Op = std::conditional_t<kBatchRows == 64, cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>,
                                 cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>>;
@@ -135,10 +131,9 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
   using B = MmaBatching<Cfg>;
   constexpr int kHalves = Cfg::kWgHalves, kPartFloats = B::kPartFloats;
   // At BLOCK_M 128 the warpgroup and (below) the stage are broadcast from lane 0: ptxas then knows
-  // they are warp-uniform and keeps the descriptors in uniform registers (v3: L1's loop 35 -> 4
-  // R2UR, 354 -> 313 instructions per k-block, 1545 -> 1435 cycles; L2's 64 -> 1, 366 -> 298,
-  // 1665 -> 1614; results round 16). At BLOCK_M 64 the same broadcast made v3 at 128 tokens 2.5%
-  // slower (round 16; weight-bound there), so it keeps the per-thread values.
+  // they are warp-uniform and keeps the descriptors in uniform registers, which shortens both main
+  // loops (docs/design.md section 9). At BLOCK_M 64, weight-bound, the same broadcast makes decode
+  // slower, so it keeps the per-thread values.
   constexpr bool kUniformIndices = Cfg::kBlockM == 128;
   const int wg = kUniformIndices ? warp_uniform(math_wg) : math_wg;
   const int row0 = Cfg::wg_first_row(wg);
@@ -147,7 +142,7 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
     float sa[2];
     float2 sb[kHalves];
   };
-  // One flat array: a two-dimensional one made ptxas spill (12 bytes at exact BLOCK_M 64, fast_math=False).
+  // One flat array: a two-dimensional one makes ptxas spill (exact BLOCK_M 64, fast_math=False).
   float parts[B::kParts * kPartFloats];
   const auto part = [&](int i) { return parts + (i % B::kParts) * kPartFloats; };
   const auto promote = [&](int batch, const float* from, const KBlockScales& s) {
@@ -162,7 +157,7 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
   };
   // Every math thread arrives once its own reads of the stage (WGMMA operands, token scales) are
   // done: one arrival per warp after __syncwarp orders them as well, but racecheck reports it as a
-  // hazard (round 20). The __syncwarp stays: without it ptxas spills 28-120 B at BLOCK_M 64 (round 21).
+  // hazard. The __syncwarp stays: without it ptxas spills at BLOCK_M 64.
   const auto release = [&](int stage) {
     __syncwarp();
     cuda::ptx::mbarrier_arrive(&empty[stage]);

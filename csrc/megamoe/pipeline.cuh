@@ -36,7 +36,7 @@ __device__ __forceinline__ void tma_load_2d(void* smem, const CUtensorMap* tmap,
 // A pipeline wait of the GEMM roles: true once the barrier's phase completed. In a tier that
 // rebalances registers (Cfg::kRebalanceRegisters) it reports a timeout and returns false, for
 // the role to unwind and trap after its registers are back (kernel.cuh gemm_roles): a trap
-// inside the region makes ptxas compile the region at the entry budget (docs/results round 9).
+// inside the region makes ptxas compile the region at the entry budget (docs/design.md section 9).
 // Elsewhere it traps where it waits (and the callers' checks fold away).
 template <class Cfg>
 __device__ __forceinline__ bool gemm_wait(const KernelParams& p, uint64_t* bar, uint32_t parity, uint32_t code) {
@@ -160,7 +160,7 @@ struct L2TileMailbox {
     rows = make_int2(posted[0], posted[1]);
     // Every lane arrives after its own read (the barrier takes 32): one arrival by lane 0 after a
     // __syncwarp orders the other lanes' reads only through the warp barrier, which racecheck does not
-    // follow (results round 29: hazards at BLOCK_M 8-32, where a CTA reuses a slot; as `empty`, round 21).
+    // follow: it reports hazards at BLOCK_M 8-32, where a CTA reuses a slot (as for `empty`).
     cuda::ptx::mbarrier_arrive(&l2_done_empty_of<Cfg>(full)[slot]);
     return true;
   }
@@ -186,10 +186,10 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
   const int num_tiles = sched.num_tiles();
   ProducerClock clock;
   // Each CTA's first L2 tile is claimed when its L1 tiles start and published when they are all
-  // issued: claimed after them, its atomic's round trip came between a CTA's last L1 tile and its
-  // first L2 tile (v4flash at 1 token, 1.6 us of 70; results round 23). The rebalanced tier has no
-  // register to keep it in through the L1 loop (60 B of spills at 40): it publishes the claim at
-  // once, its round trip before the first L1 load (prefill calls, where 1 us is far below 0.1%).
+  // issued: claimed after them, its atomic's round trip would come between a CTA's last L1 tile and
+  // its first L2 tile, a visible share of a decode call. The rebalanced tier has no register to keep
+  // it in through the L1 loop (it spills at the producer's budget): it publishes the claim at once,
+  // its round trip before the first L1 load (prefill calls, where a microsecond is far below 0.1%).
   const L2TileQueue<Cfg> queue{full};
   int first_l2_tile = 0;
   if constexpr (!kIsL2) {

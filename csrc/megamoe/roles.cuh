@@ -17,8 +17,8 @@ struct Role {
   static constexpr int kNumConverterThreads = 96;  // warps 1-3
 
   // The one thread that issues the TMA loads. A test of threadIdx, not an elected lane: each GEMM
-  // phase recomputes it, where a value kept from the first phase to the second was spilled
-  // (12 bytes at BLOCK_M 64, H 4096, I 1536).
+  // phase recomputes it, since a value kept from the first phase to the second is spilled
+  // (BLOCK_M 64, H 4096, I 1536).
   __device__ __forceinline__ static bool tma_issuer() { return threadIdx.x == 0; }
   // In the producer warpgroup: a token converter (any warp but the producer's).
   __device__ __forceinline__ static bool converter() { return threadIdx.x >= 32; }

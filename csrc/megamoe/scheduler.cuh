@@ -50,7 +50,8 @@ struct TileScheduler {
   __device__ Tile decode(int tile) const {
     if constexpr (Cfg::kWindowed) {
       // The window's tiles, n-major inside each expert's m-blocks of the window (the branch below is
-      // this with the whole call as the window, kept as it was: unwindowed variants keep their SASS).
+      // this with the whole call as the window, written apart so that unwindowed variants' SASS does
+      // not carry the window's arithmetic).
       const int first_gm = first_gemm_mblock<Cfg>(tables), end_gm = end_gemm_mblock<Cfg>(tables);
       const int el = last_le(tables.mblk_prefix, Cfg::kNumLocalExperts, first_gm + tile / num_n_blocks);
       const int first = max(tables.mblk_prefix[el], first_gm);
@@ -126,13 +127,12 @@ __device__ __forceinline__ bool wait_pulled_rows(const KernelParams& p, const ui
 // warpgroups acquire every m-block's (windowed: the window's) pulled rows (pool_src) once: the L2 epilogue's per-row loads go
 // out at the tile's start (Cfg::kEarlyEpilogueRows), ahead of any stage. Per tile it would be an
 // acquire round trip in front of each L2 main loop; here the pull has long ended (every L1 tile
-// waited for its rows); inside the math region this made ptxas spill 80-124 B. Then a CTA barrier:
-// the register hand-over barrier of L1 (kernel.cuh gemm_roles) must be complete before a math warp
-// arrives on it for L2. Without the grid barrier that used to stand here, a math warpgroup with no
-// L1 tiles reached L2's arrival while the producer warpgroup still waited in L1's, which then
-// completed with the wrong threads, and the producer's setmaxnreg.inc waited for registers the math
-// warpgroups held: the call hung (results round 23, BLOCK_M 128 with 0 tokens). Bounded (traps:
-// outside the regions that must unwind).
+// waited for its rows); inside the math region this makes ptxas spill. Then a CTA barrier: the
+// register hand-over barrier of L1 (kernel.cuh gemm_roles) must be complete before a math warp
+// arrives on it for L2. Without a barrier here, a math warpgroup with no L1 tiles reaches L2's
+// arrival while the producer warpgroup still waits in L1's, which then completes with the wrong
+// threads, and the producer's setmaxnreg.inc waits for registers the math warpgroups hold: the
+// call hangs (BLOCK_M 128 with 0 tokens). Bounded (traps: outside the regions that must unwind).
 template <class Cfg>
 __device__ __forceinline__ void wait_pool_pulled(const KernelParams& p, const uint8_t* base, const ExpertTables& tables) {
   if (!Role::producer_warpgroup()) {
