@@ -42,6 +42,11 @@ DEFAULT_TIMEOUT_S = 30.0
 # (11.6 days) stands for "never"; below 0.1 s host jitter alone would trap a healthy call.
 MIN_TIMEOUT_S = 0.1
 MAX_TIMEOUT_S = 1e6
+# MEGAMOE_NVCC_TIMEOUT_S. The compile check's 116 reference variants take 10 minutes on 2 cores, about
+# 10 s each: 900 s leaves a wide margin for the largest variant on a loaded machine, and still ends a
+# hung nvcc. The bound lets the JIT tell a dead compile's temporary folder by its age.
+DEFAULT_NVCC_TIMEOUT_S = 900.0
+MAX_NVCC_TIMEOUT_S = 86400.0
 
 
 def _read(name: str) -> Optional[str]:
@@ -90,19 +95,32 @@ def num_sms() -> Optional[int]:
                     lambda sms: sms >= 1)
 
 
+def _seconds(name: str, default: float, low: float, high: float, accepted: str) -> float:
+    """A number of seconds in [low, high] (nan and inf refused), or `default` when unset."""
+    value = _read(name)
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan  # refused below, with the range
+    if not low <= seconds <= high:  # also refuses nan and inf
+        raise _invalid(name, value, accepted)
+    return seconds
+
+
 def timeout_s() -> float:
     """MEGAMOE_TIMEOUT_S: the bound of every in-kernel wait, in seconds."""
-    value = _read("MEGAMOE_TIMEOUT_S")
-    if value is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        timeout = float(value)
-    except ValueError:
-        timeout = math.nan  # refused below, with the range
-    if not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S:  # also refuses nan and inf
-        raise _invalid("MEGAMOE_TIMEOUT_S", value, f"a number of seconds from {MIN_TIMEOUT_S:g} to "
-                       f"{MAX_TIMEOUT_S:g} ({MAX_TIMEOUT_S:g} for never; default {DEFAULT_TIMEOUT_S:g})")
-    return timeout
+    return _seconds("MEGAMOE_TIMEOUT_S", DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S, MAX_TIMEOUT_S,
+                    f"a number of seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} ({MAX_TIMEOUT_S:g} for never; "
+                    f"default {DEFAULT_TIMEOUT_S:g})")
+
+
+def nvcc_timeout_s() -> float:
+    """MEGAMOE_NVCC_TIMEOUT_S: the most seconds one nvcc run may take."""
+    return _seconds("MEGAMOE_NVCC_TIMEOUT_S", DEFAULT_NVCC_TIMEOUT_S, math.ulp(0.0), MAX_NVCC_TIMEOUT_S,
+                    f"a number of seconds above 0 and at most {MAX_NVCC_TIMEOUT_S:g} (default "
+                    f"{DEFAULT_NVCC_TIMEOUT_S:g})")
 
 
 def configs_dir() -> Optional[Path]:

@@ -11,7 +11,7 @@ from megamoe_plugin import settings
 from megamoe_plugin.heuristics import IMPLEMENTED_BLOCK_M
 
 ALL = ("MEGAMOE_NUMERICS", "MEGAMOE_BLOCK_M", "MEGAMOE_NUM_STAGES", "MEGAMOE_NUM_SMS", "MEGAMOE_TIMEOUT_S",
-       "MEGAMOE_CONFIGS_DIR", "MEGAMOE_CACHE_DIR", "MEGAMOE_NVCC", "MEGAMOE_CUTLASS_INCLUDE")
+       "MEGAMOE_CONFIGS_DIR", "MEGAMOE_CACHE_DIR", "MEGAMOE_NVCC", "MEGAMOE_NVCC_TIMEOUT_S", "MEGAMOE_CUTLASS_INCLUDE")
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +31,8 @@ def test_every_variable_the_package_reads_is_read_here():
 
 @pytest.mark.parametrize("reader, default", [
     (settings.numerics, "fast"), (settings.forced_block_m, None), (settings.forced_num_stages, None),
-    (settings.num_sms, None), (settings.timeout_s, settings.DEFAULT_TIMEOUT_S), (settings.configs_dir, None),
+    (settings.num_sms, None), (settings.timeout_s, settings.DEFAULT_TIMEOUT_S),
+    (settings.nvcc_timeout_s, settings.DEFAULT_NVCC_TIMEOUT_S), (settings.configs_dir, None),
     (settings.cache_dir, Path.home() / ".cache" / "megamoe_plugin"), (settings.nvcc, None),
     (settings.cutlass_include, None)])
 def test_unset_or_empty_gives_the_default(monkeypatch, reader, default):

@@ -25,7 +25,6 @@ import dataclasses
 import errno
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -38,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+from .. import settings
+
 CUBIN = "kernel.cubin"
 PTXAS_LOG = "ptxas.log"
 MANIFEST = "manifest.json"
@@ -47,14 +48,9 @@ TEMP_PREFIX = ".build_"
 _GROUP_OR_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 NVCC_TIMEOUT_ENV = "MEGAMOE_NVCC_TIMEOUT_S"
-# The compile check's 116 reference variants take 10 minutes on 2 cores, about 10 s each: 900 s
-# leaves a wide margin for the largest variant on a loaded machine, and still ends a hung nvcc.
-DEFAULT_NVCC_TIMEOUT_S = 900.0
-# The bound that lets remove_stale_temp_folders tell a dead compile's folder by its age.
-MAX_NVCC_TIMEOUT_S = 86400.0
 # Older than this, a temporary folder is no running compile's: twice the longest, a margin for the
 # clocks of other hosts that share the cache folder.
-STALE_TEMP_AGE_S = 2 * MAX_NVCC_TIMEOUT_S
+STALE_TEMP_AGE_S = 2 * settings.MAX_NVCC_TIMEOUT_S
 
 
 class UntrustedCacheError(RuntimeError):
@@ -290,25 +286,10 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
-def nvcc_timeout_s() -> float:
-    """MEGAMOE_NVCC_TIMEOUT_S: the most seconds one nvcc run may take."""
-    value = os.environ.get(NVCC_TIMEOUT_ENV) or None
-    if value is None:
-        return DEFAULT_NVCC_TIMEOUT_S
-    try:
-        timeout = float(value)
-    except ValueError:
-        timeout = math.nan  # refused below, with the range
-    if not 0 < timeout <= MAX_NVCC_TIMEOUT_S:  # also refuses nan and inf
-        raise ValueError(f"{NVCC_TIMEOUT_ENV} must be a number of seconds above 0 and at most {MAX_NVCC_TIMEOUT_S:g} "
-                         f"(default {DEFAULT_NVCC_TIMEOUT_S:g}), got {value!r}")
-    return timeout
-
-
 def run_nvcc(cmd: List[str], doing: str) -> subprocess.CompletedProcess:
     """Runs nvcc (`cmd`, text output) in a session of its own. Past MEGAMOE_NVCC_TIMEOUT_S the
     session is killed, nvcc's children (cicc, ptxas) with it, and NvccTimeoutError names `doing`."""
-    timeout = nvcc_timeout_s()
+    timeout = settings.nvcc_timeout_s()
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
@@ -323,5 +304,5 @@ def run_nvcc(cmd: List[str], doing: str) -> subprocess.CompletedProcess:
             proc.communicate()
             raise NvccTimeoutError(
                 f"megamoe: nvcc ran past {NVCC_TIMEOUT_ENV}={timeout:g} s {doing} and was stopped; on a slow or busy "
-                f"machine, raise {NVCC_TIMEOUT_ENV} (at most {MAX_NVCC_TIMEOUT_S:g})") from None
+                f"machine, raise {NVCC_TIMEOUT_ENV} (at most {settings.MAX_NVCC_TIMEOUT_S:g})") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
