@@ -442,7 +442,7 @@ class ResourceUsage:
     static_smem: int
     # ptxas serialized the WGMMAs, the whole kernel's (its "Potential Performance Loss" notes, any
     # code: C7518 for a path that leaves a main loop with a batch in flight, csrc/megamoe/mma.cuh;
-    # C7511 for too few registers to keep WGMMAs in flight, results round 12): the tensor pipe then
+    # C7511 for too few registers to keep WGMMAs in flight): the tensor pipe then
     # runs one WGMMA at a time, a silent slowdown. The note's code, "" when none.
     wgmma_serialized: str = ""
 
