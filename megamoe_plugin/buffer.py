@@ -46,7 +46,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .heuristics import IMPLEMENTED_BLOCK_M, REBALANCED_BLOCK_M
+from .heuristics import IMPLEMENTED_BLOCK_M, TIER_OF
 
 # Every expert's rows start on a multiple of this in the pools; no BLOCK_M tier exceeds it.
 POOL_ALIGN_M = 128
@@ -80,7 +80,7 @@ SUPPORTED_NUM_RANKS = (1, 2, 4, 8)
 def window_loop(block_m: int) -> bool:
     """Whether the window kernel of a tier loops over the pool windows (config.cuh kWindowLoop; the
     JIT source checks it): all but the rebalanced tier, where the host launches it per window."""
-    return block_m != REBALANCED_BLOCK_M
+    return not TIER_OF[block_m].rebalanced
 
 
 def _round_up(x: int, m: int) -> int:

@@ -54,7 +54,6 @@ from .heuristics import (
     NUMERICS_MODES,
     SMEM_LIMIT,
     implemented_block_m,
-    supported_block_m,
     KernelConfig,
     check_numerics,
     default_config,
@@ -260,8 +259,8 @@ class _Validator:
         if "block_m" in value:
             block_m = self.check_block_m(value["block_m"], f"{path}.block_m", modes)
         else:
-            block_m = select_block_m(expected, [t for t in supported_block_m(modes[0])
-                                                if all(t in supported_block_m(m) for m in modes)])
+            block_m = select_block_m(expected, [t for t in implemented_block_m(modes[0])
+                                                if all(t in implemented_block_m(m) for m in modes)])
         if "num_stages" not in value:  # the heuristic's depth, the shallowest of the table's modes
             num_stages = min(default_num_stages(block_m, shape.num_local_experts, shape.hidden, shape.intermediate_size,
                                                 numerics=mode) for mode in modes)

@@ -23,16 +23,29 @@ from typing import Optional, Sequence
 # columns; BLOCK_K is the 128-wide FP8 scale block of both activations and weights.
 BLOCK_N = 256
 BLOCK_K = 128
-# Every BLOCK_M tier the kernel design has; the ones the kernel implements in some numerics
-# mode (swap-AB below 64: tokens on the WGMMA N side; 128: two math warpgroups of 64 rows share
-# each weight tile, fast numerics only; csrc/megamoe/config.cuh); and the ones the heuristics
-# pick by themselves. A tier joins SUPPORTED_BLOCK_M once measurements show where it wins
-# (on H200, v4flash and v3 with 32 local experts); the others run only
-# when forced (MEGAMOE_BLOCK_M, ops.select_variant) or named by a tuned config table.
-BLOCK_M_TIERS = (8, 16, 32, 64, 128)
-IMPLEMENTED_BLOCK_M = (8, 16, 32, 64, 128)
-SUPPORTED_BLOCK_M = (8, 16, 32, 64, 128)
-_EXACT_BLOCK_M = (8, 16, 32, 64)  # exact L1 (FP16 tensor cores) has no BLOCK_M 128 tier
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    """One BLOCK_M tier of the kernel (csrc/megamoe/config.cuh): the one table the Python side
+    asks what a tier is."""
+    block_m: int
+    # Tokens on the WGMMA N side (the decode tiers below 64): no epilogue quad exchange in shared memory.
+    swap_ab: bool
+    # Two math warpgroups of 64 rows share each weight tile, in a register-rebalanced region where
+    # a call out of line (fast_math=False's IEEE divisions call a slow path) makes ptxas spill: the
+    # tier needs fast_math, and its window kernel runs one pool window per launch.
+    rebalanced: bool
+    # Exact numerics implements it (exact L1 on FP16 tensor cores has no rebalanced tier).
+    exact: bool
+
+
+TIERS = (Tier(8, True, False, True), Tier(16, True, False, True), Tier(32, True, False, True),
+         Tier(64, False, False, True), Tier(128, False, True, False))
+TIER_OF = {tier.block_m: tier for tier in TIERS}
+# Every tier the kernel implements in some numerics mode. The heuristic picks from all of them (on an
+# H200, v4flash and v3 with 32 local experts, each wins somewhere); a tuned table or MEGAMOE_BLOCK_M
+# (ops.select_variant) may name any.
+IMPLEMENTED_BLOCK_M = tuple(TIER_OF)
+REBALANCED_BLOCK_M = next(tier.block_m for tier in TIERS if tier.rebalanced)
 # (largest expected tokens per expert, preferred tier); above the last bound the largest tier.
 # The bounds are where each tier wins on one H200 (docs/design.md section 9); the largest tier
 # above 64 rows halves the weight traffic per token against 64.
@@ -52,23 +65,16 @@ def check_numerics(numerics) -> str:
 
 def implemented_block_m(numerics: str) -> tuple:
     """The tiers the kernel implements in this numerics mode."""
-    return _EXACT_BLOCK_M if check_numerics(numerics) == "exact" else IMPLEMENTED_BLOCK_M
-
-
-# BLOCK_M 128's math warpgroups run in a register-rebalanced region where a call out of line
-# (fast_math=False's IEEE divisions call a slow path) makes ptxas spill: that tier needs fast_math.
-REBALANCED_BLOCK_M = 128
+    exact = check_numerics(numerics) == "exact"
+    return tuple(tier.block_m for tier in TIERS if tier.exact or not exact)
 
 
 def runnable_block_m(block_m: int, fast_math: bool) -> int:
-    """The tier a call runs for a chosen `block_m`: fast_math=False calls run 64 instead of the
-    register-rebalanced tier (REBALANCED_BLOCK_M), the largest tier without rebalancing."""
-    return 64 if block_m == REBALANCED_BLOCK_M and not fast_math else block_m
-
-
-def supported_block_m(numerics: str) -> tuple:
-    """The tiers the heuristic picks from in this numerics mode."""
-    return tuple(t for t in SUPPORTED_BLOCK_M if t in implemented_block_m(numerics))
+    """The tier a call runs for a chosen `block_m`: fast_math=False calls run the largest tier
+    without rebalancing instead of the register-rebalanced one (Tier.rebalanced)."""
+    if TIER_OF[block_m].rebalanced and not fast_math:
+        return max(tier.block_m for tier in TIERS if not tier.rebalanced)
+    return block_m
 
 
 # Opt-in dynamic shared memory per block on SM90 (227 KiB).
@@ -113,23 +119,23 @@ def select_block_m(expected_tokens: float, supported: Optional[Sequence[int]] = 
     hundreds of rows and large tiles halve the B (weight) reloads per row. Preferred
     tier (_TIER_UPPER_BOUNDS): 8 up to 4 rows, 16 up to 8, 32 up to 24, 64 up to 64,
     128 above. When the preferred tier is
-    not implemented (`supported`, default SUPPORTED_BLOCK_M) the nearest implemented
+    not implemented (`supported`, default IMPLEMENTED_BLOCK_M) the nearest implemented
     one in log2 distance is used, the larger on a tie (fewer tiles, and the kernel
     pads rows anyway). The result never decreases as expected_tokens grows.
     """
     if expected_tokens < 0:
         raise ValueError(f"expected_tokens must be >= 0, got {expected_tokens}")
-    tiers = SUPPORTED_BLOCK_M if supported is None else tuple(supported)
-    unknown = sorted(set(tiers) - set(BLOCK_M_TIERS))
+    tiers = IMPLEMENTED_BLOCK_M if supported is None else tuple(supported)
+    unknown = sorted(set(tiers) - set(IMPLEMENTED_BLOCK_M))
     if not tiers or unknown:
-        raise ValueError(f"supported BLOCK_M tiers must be a non-empty subset of {BLOCK_M_TIERS}, got {tiers}")
-    preferred = next((tier for bound, tier in _TIER_UPPER_BOUNDS if expected_tokens <= bound), BLOCK_M_TIERS[-1])
+        raise ValueError(f"supported BLOCK_M tiers must be a non-empty subset of {IMPLEMENTED_BLOCK_M}, got {tiers}")
+    preferred = next((tier for bound, tier in _TIER_UPPER_BOUNDS if expected_tokens <= bound), IMPLEMENTED_BLOCK_M[-1])
     return min(tiers, key=lambda tier: (abs(math.log2(tier / preferred)), -tier))
 
 
 def _check_tier(block_m: int) -> None:
-    if block_m not in BLOCK_M_TIERS:
-        raise ValueError(f"block_m must be one of {BLOCK_M_TIERS}, got {block_m}")
+    if block_m not in IMPLEMENTED_BLOCK_M:
+        raise ValueError(f"block_m must be one of {IMPLEMENTED_BLOCK_M}, got {block_m}")
 
 
 def _check_local_experts(num_local_experts: int) -> None:
@@ -161,7 +167,7 @@ def _fixed_bytes(block_m: int, num_local_experts: int, numerics: str) -> int:
     l1_token_scales = 2 * block_m * _F32_BYTES if exact else 0  # per k-block parity
     l1_token_staging = 2 * block_m * BLOCK_K * _F16_BYTES if exact else 0  # per k-block parity
     # The BLOCK_M 64 / 128 epilogues' quad exchange: 8 math warps x 8 rows x 64 bytes, 16-aligned.
-    quad_lines = 8 * 8 * 64 if block_m >= 64 and not exact else 0  # none in the swap-AB tiers (below 64)
+    quad_lines = 0 if TIER_OF[block_m].swap_ab or exact else 8 * 8 * 64
     before_quad_lines = _align(_BARRIER_SCRATCH_BYTES + amax_exchange + expert_tables, 16)
     return (_align(before_quad_lines + quad_lines + l1_token_scales, STAGE_ALIGN)
             + l1_token_staging + _BASE_ALIGN_BYTES)
@@ -261,7 +267,7 @@ def default_config(num_ranks: int, num_experts: int, num_topk: int, hidden: int,
         if value < BLOCK_K or value % BLOCK_K != 0:
             raise ValueError(f"{name} must be a positive multiple of {BLOCK_K}, got {value}")
     expected = expected_tokens_per_expert(num_tokens, num_ranks, num_topk, num_experts)
-    block_m = select_block_m(expected, supported_block_m(numerics))
+    block_m = select_block_m(expected, implemented_block_m(numerics))
     num_stages = default_num_stages(block_m, num_experts // num_ranks, hidden, intermediate_size, numerics=numerics)
     return KernelConfig(block_m=block_m, num_stages=num_stages, num_sms=num_sms)
 

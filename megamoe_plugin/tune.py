@@ -60,7 +60,6 @@ from .heuristics import (
     implemented_block_m,
     max_pipeline_stages,
     select_block_m,
-    supported_block_m,
 )
 from .jit import KernelVariant, compile_variants
 from .progress import progress_bar
@@ -96,7 +95,7 @@ class Point(NamedTuple):
 
     def heuristic(self) -> Candidate:
         """What a call would run without a table (heuristics.default_config at R = 1)."""
-        block_m = select_block_m(self.expected_tokens, supported_block_m(self.numerics))
+        block_m = select_block_m(self.expected_tokens, implemented_block_m(self.numerics))
         s = self.shape
         return Candidate(block_m, default_num_stages(block_m, s.num_local_experts, s.hidden, s.intermediate_size,
                                                      numerics=self.numerics))
@@ -115,7 +114,7 @@ def tier_candidates(expected_tokens: float, tiers: Optional[Sequence[int]] = Non
     own = implemented_block_m(numerics)
     if tiers is not None:
         return tuple(t for t in tiers if t in own)
-    i = own.index(select_block_m(expected_tokens, supported_block_m(numerics)))
+    i = own.index(select_block_m(expected_tokens, implemented_block_m(numerics)))
     return own[max(0, i - 1): i + 2]
 
 

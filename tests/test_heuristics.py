@@ -5,12 +5,12 @@ import random
 import pytest
 
 from megamoe_plugin.heuristics import (
-    BLOCK_M_TIERS,
+    IMPLEMENTED_BLOCK_M,
     MAX_STAGES,
+    TIERS,
     MIN_STAGES,
     NUMERICS_MODES,
     SMEM_LIMIT,
-    SUPPORTED_BLOCK_M,
     KernelConfig,
     default_config,
     default_num_stages,
@@ -19,7 +19,6 @@ from megamoe_plugin.heuristics import (
     implemented_block_m,
     select_block_m,
     smem_bytes,
-    supported_block_m,
 )
 
 # Section 2 limits.
@@ -29,7 +28,7 @@ LOCAL_EXPERTS = range(1, 513)
 RANKS = (1, 2, 4, 8)
 MAX_TOKENS = 16384
 SM_COUNTS = (1, 7, 66, 78, 114, 132)
-ALL_TIER_SETS = [s for n in range(1, len(BLOCK_M_TIERS) + 1) for s in itertools.combinations(BLOCK_M_TIERS, n)]
+ALL_TIER_SETS = [s for n in range(1, len(IMPLEMENTED_BLOCK_M) + 1) for s in itertools.combinations(IMPLEMENTED_BLOCK_M, n)]
 
 
 def random_shapes(count, seed=0):
@@ -57,7 +56,7 @@ def test_expected_tokens_per_expert_rejects(args, name):
 
 
 def test_select_block_m_preferred_tiers():
-    all_tiers = BLOCK_M_TIERS
+    all_tiers = IMPLEMENTED_BLOCK_M
     assert [select_block_m(x, all_tiers) for x in (0, 4, 4.5, 8, 8.5, 24, 24.5, 64, 64.5, 8192)] == \
         [8, 8, 16, 16, 32, 32, 64, 64, 128, 128]
 
@@ -69,13 +68,26 @@ def test_select_block_m_nearest_supported():
     assert [select_block_m(x, (32,)) for x in (0, 1e6)] == [32, 32]
 
 
+def test_the_tier_table():
+    """What each tier is (csrc/megamoe/config.cuh): swap-AB below 64, one rebalanced tier (128),
+    which exact numerics does not implement, and which runs 64 without fast_math."""
+    from megamoe_plugin.heuristics import REBALANCED_BLOCK_M, runnable_block_m
+
+    assert [(t.block_m, t.swap_ab, t.rebalanced, t.exact) for t in TIERS] == [
+        (8, True, False, True), (16, True, False, True), (32, True, False, True), (64, False, False, True),
+        (128, False, True, False)]
+    assert REBALANCED_BLOCK_M == 128
+    assert [runnable_block_m(t.block_m, False) for t in TIERS] == [8, 16, 32, 64, 64]
+    assert [runnable_block_m(t.block_m, True) for t in TIERS] == [8, 16, 32, 64, 128]
+
+
 def test_select_block_m_defaults_to_implemented_tiers():
-    assert SUPPORTED_BLOCK_M == (8, 16, 32, 64, 128)
+    assert IMPLEMENTED_BLOCK_M == (8, 16, 32, 64, 128)
     assert (select_block_m(0), select_block_m(6), select_block_m(24), select_block_m(64), select_block_m(1e6)) == (
         8, 16, 32, 64, 128)
     # Exact L1 has no BLOCK_M 128: its largest tier is 64.
-    assert supported_block_m("exact") == implemented_block_m("exact") == (8, 16, 32, 64)
-    assert select_block_m(1e6, supported_block_m("exact")) == 64
+    assert implemented_block_m("exact") == (8, 16, 32, 64)
+    assert select_block_m(1e6, implemented_block_m("exact")) == 64
     assert default_config(1, 32, 8, 7168, 2048, 8192, 132, "exact").block_m == 64
     assert default_config(1, 32, 8, 7168, 2048, 8192, 132, "fast").block_m == 128
 
@@ -113,7 +125,7 @@ def test_numerics_is_checked():
         smem_bytes(64, 4, 32, "fp8")
 
 
-@pytest.mark.parametrize("block_m", BLOCK_M_TIERS)
+@pytest.mark.parametrize("block_m", IMPLEMENTED_BLOCK_M)
 def test_stages_are_1024_aligned_and_hold_their_tiles(block_m):
     stage = smem_bytes(block_m, 2, 1) - smem_bytes(block_m, 1, 1)
     assert stage % 1024 == 0
@@ -122,7 +134,7 @@ def test_stages_are_1024_aligned_and_hold_their_tiles(block_m):
 
 
 def test_max_pipeline_stages_fits_for_every_tier_and_expert_count():
-    for block_m, experts, numerics in itertools.product(BLOCK_M_TIERS, LOCAL_EXPERTS, NUMERICS_MODES):
+    for block_m, experts, numerics in itertools.product(IMPLEMENTED_BLOCK_M, LOCAL_EXPERTS, NUMERICS_MODES):
         stages = max_pipeline_stages(block_m, experts, numerics=numerics)
         assert stages >= MIN_STAGES
         assert (smem_bytes(block_m, stages, experts, numerics) <= SMEM_LIMIT
@@ -181,7 +193,7 @@ def test_default_config_invariants_across_limits():
     for ranks, experts, topk, hidden, inter, tokens in random_shapes(3000):
         local = experts // ranks
         config = default_config(ranks, experts, topk, hidden, inter, tokens, 132)
-        assert config.block_m in SUPPORTED_BLOCK_M
+        assert config.block_m in IMPLEMENTED_BLOCK_M
         more = default_config(ranks, experts, topk, hidden, inter, min(MAX_TOKENS, 2 * tokens + 1), 132)
         assert more.block_m >= config.block_m  # more rows per expert never picks a smaller tile
         assert MIN_STAGES <= config.num_stages <= MAX_STAGES

@@ -9,7 +9,7 @@ import pytest
 from megamoe_plugin import tune
 from megamoe_plugin.configs import TableShape, TunedEntry, load_table, lookup_config, table_path, validate_table
 from megamoe_plugin.heuristics import (IMPLEMENTED_BLOCK_M, NUMERICS_MODES, SMEM_LIMIT, default_num_stages,
-                                       implemented_block_m, select_block_m, smem_bytes, supported_block_m)
+                                       implemented_block_m, select_block_m, smem_bytes)
 from megamoe_plugin.tune import Candidate, Point
 
 GPU = "Test GPU 80GB"
@@ -31,7 +31,7 @@ def test_default_plan_prunes_to_the_heuristic_and_its_neighbours():
         heuristic = p.heuristic()
         assert heuristic in p.candidates, p
         tiers = implemented_block_m(p.numerics)  # exact has no BLOCK_M 128
-        i = tiers.index(select_block_m(p.expected_tokens, supported_block_m(p.numerics)))
+        i = tiers.index(select_block_m(p.expected_tokens, implemented_block_m(p.numerics)))
         assert {c.block_m for c in p.candidates} == set(tiers[max(0, i - 1): i + 2]), p
         for c in p.candidates:
             assert smem_bytes(c.block_m, c.num_stages, p.shape.num_local_experts, p.numerics) <= SMEM_LIMIT, (p, c)

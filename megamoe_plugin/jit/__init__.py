@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from ..buffer import SIGNAL_WORDS, BufferShape, window_loop
-from ..heuristics import DEFAULT_NUMERICS, REBALANCED_BLOCK_M, implemented_block_m
+from ..heuristics import DEFAULT_NUMERICS, TIER_OF, implemented_block_m
 from ..paths import CSRC_DIR
 from ..settings import cache_dir, cache_dir_setting, cutlass_include, nvcc as chosen_nvcc
 from ..timeline import MAX_TILES as TIMELINE_MAX_TILES, PULL_SLOT as TIMELINE_PULL_SLOT, RECORDS as TIMELINE_RECORDS
@@ -82,8 +82,8 @@ class KernelVariant:
         if self.block_m not in implemented_block_m(self.numerics):
             raise ValueError(f"block_m={self.block_m} is not implemented in {self.numerics!r} numerics "
                              f"(tiers {implemented_block_m(self.numerics)})")
-        if self.block_m == REBALANCED_BLOCK_M and not self.fast_math:
-            raise ValueError(f"block_m={self.block_m} needs fast_math=True (heuristics.REBALANCED_BLOCK_M)")
+        if TIER_OF[self.block_m].rebalanced and not self.fast_math:
+            raise ValueError(f"block_m={self.block_m} needs fast_math=True (heuristics.Tier.rebalanced)")
 
     def source(self) -> str:
         cpp_bool = {True: "true", False: "false"}
