@@ -1,7 +1,9 @@
 """Run-time specialization of the kernel: nvcc to an sm_90a cubin, cached on disk.
 
 A cache entry is a folder named by the variant and a key, a hash of what the cubin computes:
-every kernel source, the generated instantiation and the nvcc flags (NVCC_PREPEND_FLAGS and
+every kernel source (as the compiler sees it: comments and whitespace do not count, so a cubin
+built before such a change keeps its -lineinfo line table, which a profiler may then show off by
+a few lines), the generated instantiation and the nvcc flags (NVCC_PREPEND_FLAGS and
 NVCC_APPEND_FLAGS among them, where set). Inside it, one build per toolchain, in a folder named
 by nvcc's version and the CUTLASS headers' version (`nvcc13.0.88-cutlass4.2.0`), with a manifest
 of its cubin (megamoe_plugin.jit.cache: a cache folder is code, so a build loads only from a
@@ -47,6 +49,7 @@ from ..heuristics import DEFAULT_NUMERICS, REBALANCED_BLOCK_M, implemented_block
 from ..paths import CSRC_DIR
 from ..settings import cache_dir, cache_dir_setting, cutlass_include, nvcc as chosen_nvcc
 from . import cache
+from .cpp_text import code_only
 # What compile_variant raises besides KernelMissingError, as megamoe_plugin.jit's.
 from .cache import CacheWriteError, NvccError, NvccTimeoutError, UntrustedCacheError  # noqa: F401
 
@@ -213,10 +216,16 @@ def nvcc_flags() -> List[str]:
 
 @functools.lru_cache(maxsize=None)
 def _sources_digest() -> str:
+    return sources_digest(CSRC_DIR / "megamoe")
+
+
+def sources_digest(folder: Path) -> str:
+    """The hash of the kernel sources in `folder` as the compiler sees them (cpp_text.code_only: a
+    comment or whitespace change leaves it, and so every cached kernel, as it was)."""
     h = hashlib.sha256()
-    for path in sorted((CSRC_DIR / "megamoe").glob("*")):
+    for path in sorted(folder.glob("*")):
         h.update(path.name.encode())
-        h.update(path.read_bytes())
+        h.update(code_only(path.read_text(encoding="utf-8")).encode())
     return h.hexdigest()
 
 
