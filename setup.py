@@ -1,14 +1,17 @@
-"""Build script: the Python package plus the torch-independent host runtime.
+"""Build script: the Python package plus two torch-independent extensions.
 
-The runtime (`megamoe_plugin._runtime`) is plain C++ built against pybind11 and the
-CUDA driver API *headers* only; it loads libcuda at run time, so the same build works
-with any torch version and on machines without a GPU. If no CUDA headers are found
-the package still installs, and `fp8_mega_moe` raises a clear RuntimeError.
+The ABI extension (`megamoe_plugin._abi`) hands csrc/megamoe/abi.h's numbers to Python; it
+needs a C++ compiler and pybind11 only, so it is always built. The runtime
+(`megamoe_plugin._runtime`) is plain C++ built against pybind11 and the CUDA driver API
+*headers* only; it loads libcuda at run time, so the same build works with any torch
+version and on machines without a GPU. If no CUDA headers are found the package still
+installs without it, and `fp8_mega_moe` raises a clear RuntimeError.
 """
 import os
 import shutil
 import sys
 
+from pybind11.setup_helpers import Pybind11Extension
 from setuptools import find_packages, setup
 
 
@@ -27,18 +30,18 @@ def _cuda_include_dir():
     return None
 
 
-ext_modules = []
+_CXX_FLAGS = ["-O2", "-fvisibility=hidden"]
+ext_modules = [Pybind11Extension("megamoe_plugin._abi", ["csrc/abi/abi_module.cpp"], include_dirs=["csrc"], cxx_std=17,
+                                 extra_compile_args=_CXX_FLAGS)]
 cuda_include = _cuda_include_dir()
 if cuda_include is not None:
-    from pybind11.setup_helpers import Pybind11Extension
-
     ext_modules.append(
         Pybind11Extension(
             "megamoe_plugin._runtime",
             ["csrc/runtime/runtime.cpp"],
             include_dirs=[cuda_include, "csrc"],
             cxx_std=17,
-            extra_compile_args=["-O2", "-fvisibility=hidden"],
+            extra_compile_args=_CXX_FLAGS,
             libraries=["dl"],
         )
     )

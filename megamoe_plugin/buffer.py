@@ -46,6 +46,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from . import abi
 from .heuristics import IMPLEMENTED_BLOCK_M, TIER_OF
 
 # Every expert's rows start on a multiple of this in the pools; no BLOCK_M tier exceeds it.
@@ -53,19 +54,9 @@ POOL_ALIGN_M = 128
 # The smallest BLOCK_M tier the kernel has: the most m-blocks a pool can be cut into.
 MIN_BLOCK_M = min(IMPLEMENTED_BLOCK_M)
 _REGION_ALIGN = 256
-NUM_SIGNAL_WORDS = 64
-# Words of the signals region (csrc/megamoe/params.h SignalWord; the JIT-generated kernel
-# source static_asserts these indices).
-SIGNAL_WORDS = {
-    "grid_arrivals": 0,      # CTAs at the current grid barrier; 0 between barriers
-    "grid_generation": 1,    # grid barriers completed, mod 2^32
-    "rank_barrier_done": 3,  # this rank's calls on the buffer (cross-rank barriers completed), mod 2^32
-    "l2_tiles_claimed": 4,   # L2 tiles claimed in the call; zeroed at the next call's start
-    "windows_pending": 5,    # a call's pool windows while its later ones wait for the window kernel
-    "mblocks_to_clear": 6,   # the last call's m-blocks, whose counters the next call zeroes first
-    "tokens_to_clear": 7,    # the last call's tokens, whose combine_arrived the next call zeroes first
-    "rank_arrivals": 8,      # 8 u64 slots (words 8-23), one per source rank: its latest call's number and tag
-}
+# The signals region's words and their indices (csrc/megamoe/abi.h SignalWord, which says what each holds).
+NUM_SIGNAL_WORDS = abi.kNumSignalWords
+SIGNAL_WORDS = abi.SIGNAL_WORDS
 # The pools' default rows, as a multiple of the entries one rank's own tokens make (N * K), plus
 # the per-expert padding: the rows of a balanced routing at any EP width and half as many again.
 # A rank that receives more runs its call in pool windows (BufferShape.windowed). With it the

@@ -5,13 +5,12 @@ These functions decide a `KernelConfig` when no tuned table entry exists
 (`megamoe_plugin.tune`) its candidates. They are plain Python (no torch), so the op
 layer, the JIT cache key and the table tooling can use them anywhere.
 
-The shared-memory model mirrors the kernel (csrc/megamoe/smem.cuh; docs/design.md): one
-persistent CTA per SM with a TMA pipeline whose stage holds an A tile (BLOCK_M x BLOCK_K
-fp8), a B tile (BLOCK_N x BLOCK_K fp8) and the A rows' token scales (BLOCK_M + 4 float32),
-each stage padded to 1024 bytes (the 128-byte TMA swizzle needs 1024-byte aligned tiles),
-plus a fixed part (mbarriers, the amax exchange, the expert tables, the epilogues' quad
-exchange lines, and in exact numerics the FP16 token buffers). The JIT-generated source
-static_asserts that `smem_bytes` equals the kernel's own count.
+The shared-memory size of a variant is the kernel's own plan (csrc/megamoe/abi.h smem_plan, read
+through megamoe_plugin.abi; smem.cuh's SharedStorage static_asserts that it lies as planned): one
+persistent CTA per SM with a TMA pipeline whose stage holds an A tile (BLOCK_M x BLOCK_K fp8), a B
+tile (BLOCK_N x BLOCK_K fp8) and the A rows' token scales, each stage padded to 1024 bytes, plus a
+fixed part (mbarriers, the amax exchange, the expert tables, the epilogues' quad exchange lines,
+and in exact numerics the FP16 token buffers).
 """
 from __future__ import annotations
 
@@ -19,17 +18,18 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
-# Tile shape fixed by the kernel: two math warpgroups each take 128 of the BLOCK_N
-# columns; BLOCK_K is the 128-wide FP8 scale block of both activations and weights.
-BLOCK_N = 256
-BLOCK_K = 128
+from . import abi
+
+# Tile shape fixed by the kernel (abi.h).
+BLOCK_N = abi.kBlockN
+BLOCK_K = abi.kBlockK
+
+
 @dataclasses.dataclass(frozen=True)
 class Tier:
     """One BLOCK_M tier of the kernel (csrc/megamoe/config.cuh): the one table the Python side
     asks what a tier is."""
     block_m: int
-    # Tokens on the WGMMA N side (the decode tiers below 64): no epilogue quad exchange in shared memory.
-    swap_ab: bool
     # Two math warpgroups of 64 rows share each weight tile, in a register-rebalanced region where
     # a call out of line (fast_math=False's IEEE divisions call a slow path) makes ptxas spill: the
     # tier needs fast_math, and its window kernel runs one pool window per launch.
@@ -38,8 +38,8 @@ class Tier:
     exact: bool
 
 
-TIERS = (Tier(8, True, False, True), Tier(16, True, False, True), Tier(32, True, False, True),
-         Tier(64, False, False, True), Tier(128, False, True, False))
+TIERS = (Tier(8, False, True), Tier(16, False, True), Tier(32, False, True), Tier(64, False, True),
+         Tier(128, True, False))
 TIER_OF = {tier.block_m: tier for tier in TIERS}
 # Every tier the kernel implements in some numerics mode. The heuristic picks from all of them (on an
 # H200, v4flash and v3 with 32 local experts, each wins somewhere); a tuned table or MEGAMOE_BLOCK_M
@@ -78,16 +78,7 @@ def runnable_block_m(block_m: int, fast_math: bool) -> int:
 
 
 # Opt-in dynamic shared memory per block on SM90 (227 KiB).
-SMEM_LIMIT = 232448
-STAGE_ALIGN = 1024
-_FP8_BYTES = 1
-_F16_BYTES = 2
-_F32_BYTES = 4
-_I32_BYTES = 4
-# The kernel's per-local-expert tables: three int32 words per local expert (plus one).
-_EXPERT_TABLE_WORDS = 3  # exp_start, exp_count, m-block prefix
-_BARRIER_SCRATCH_BYTES = 1024
-_BASE_ALIGN_BYTES = 1024
+SMEM_LIMIT = abi.kSmemLimit
 
 # Two stages are the least that overlap a TMA load with the MMA on the previous one.
 MIN_STAGES = 2
@@ -143,53 +134,18 @@ def _check_local_experts(num_local_experts: int) -> None:
         raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
 
 
-def _align(x: int, a: int) -> int:
-    return -(-x // a) * a
-
-
-# The two functions below mirror csrc/megamoe/smem.cuh (sizeof(SharedStorage));
-# the JIT-generated source static_asserts that both agree.
-# A stage carries its A rows' token scales (config.cuh kStageScaleFloats): BLOCK_M floats and 4 more,
-# since the bulk copy starts at the tile's first row rounded down to 16 bytes.
-_STAGED_SCALE_PAD_FLOATS = 4
-
-
-def _stage_bytes(block_m: int) -> int:
-    token_scales = (block_m + _STAGED_SCALE_PAD_FLOATS) * _F32_BYTES
-    raw = block_m * BLOCK_K * _FP8_BYTES + BLOCK_N * BLOCK_K * _FP8_BYTES + token_scales
-    return _align(raw, STAGE_ALIGN)
-
-
-def _fixed_bytes(block_m: int, num_local_experts: int, numerics: str) -> int:
-    amax_exchange = 2 * 8 * block_m * _F32_BYTES  # [2 parities][8 math warps][block_m]
-    expert_tables = (_EXPERT_TABLE_WORDS * num_local_experts + 1) * _I32_BYTES
-    exact = check_numerics(numerics) == "exact"  # only exact L1 stages its tokens in FP16
-    l1_token_scales = 2 * block_m * _F32_BYTES if exact else 0  # per k-block parity
-    l1_token_staging = 2 * block_m * BLOCK_K * _F16_BYTES if exact else 0  # per k-block parity
-    # The BLOCK_M 64 / 128 epilogues' quad exchange: 8 math warps x 8 rows x 64 bytes, 16-aligned.
-    quad_lines = 0 if TIER_OF[block_m].swap_ab or exact else 8 * 8 * 64
-    before_quad_lines = _align(_BARRIER_SCRATCH_BYTES + amax_exchange + expert_tables, 16)
-    return (_align(before_quad_lines + quad_lines + l1_token_scales, STAGE_ALIGN)
-            + l1_token_staging + _BASE_ALIGN_BYTES)
+def _smem_plan(block_m: int, num_stages: int, num_local_experts: int, numerics: str) -> dict:
+    return abi.smem_plan(block_m, num_stages, num_local_experts, check_numerics(numerics) == "exact")
 
 
 def smem_bytes(block_m: int, num_stages: int, num_local_experts: int, numerics: str = DEFAULT_NUMERICS) -> int:
-    """Dynamic shared memory one CTA needs, in bytes.
-
-    num_stages pipeline stages (A tile, B tile, the A rows' token scales, padded to 1024
-    bytes so every stage's tiles stay aligned for the TMA swizzle) plus the fixed part: 1024
-    bytes of mbarriers, the cross-warp amax exchange (double-buffered, 2 * 8 * block_m
-    float32), 3 int32 tables per local expert, in fast numerics from BLOCK_M 64 up the
-    epilogues' quad exchange lines (8 math warps x 8 rows x 64 bytes; the swap-AB tiers below
-    64 have none), in exact mode two (k-block parity) L1 token scale vectors (block_m
-    float32) and FP16 copies of the L1 token tile (block_m * 128 * 2 bytes), and 1024 bytes
-    of slack to align the dynamic shared memory base.
-    """
+    """Dynamic shared memory one CTA is launched with, in bytes: the kernel's SharedStorage as abi.h
+    plans it (num_stages pipeline stages and the fixed part) and the slack that aligns its base."""
     _check_tier(block_m)
     _check_local_experts(num_local_experts)
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    return num_stages * _stage_bytes(block_m) + _fixed_bytes(block_m, num_local_experts, numerics)
+    return _smem_plan(block_m, num_stages, num_local_experts, numerics)["bytes"] + abi.kSmemAlignSlack
 
 
 def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = SMEM_LIMIT,
@@ -202,7 +158,8 @@ def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = 
     """
     _check_tier(block_m)
     _check_local_experts(num_local_experts)
-    stages = (smem_limit - _fixed_bytes(block_m, num_local_experts, numerics)) // _stage_bytes(block_m)
+    without_stages = _smem_plan(block_m, 0, num_local_experts, numerics)
+    stages = (smem_limit - without_stages["bytes"] - abi.kSmemAlignSlack) // without_stages["stage"]
     if stages < MIN_STAGES:
         raise ValueError(
             f"only {max(stages, 0)} pipeline stage(s) of block_m={block_m} fit in {smem_limit} bytes of shared "

@@ -21,6 +21,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from . import abi
 from .buffer import SymmBuffer
 from .heuristics import DEFAULT_NUMERICS
 from .jit import (NUM_THREADS, KERNEL_NAME, WINDOW_KERNEL_NAME, KernelMissingError, KernelVariant, compile_variant, compile_variants,
@@ -35,32 +36,18 @@ from .weights import unpack_pair
 
 WeightPair = Tuple[torch.Tensor, torch.Tensor]
 
-# Why a kernel stopped (csrc/megamoe/params.h ErrorCode: the low byte of HostWords::error).
+# Why a kernel stopped (csrc/megamoe/abi.h ErrorCode: the low byte of HostWords::error).
 _ERROR_NAMES = {
-    1: "grid barrier (a CTA of this rank never arrived: are all SMs free for the persistent grid?)",
-    3: "TMA pipeline 'full' barrier (loads never completed)",
-    4: "TMA pipeline 'empty' barrier (math warpgroups stopped consuming)",
-    5: "L1 rows of an m-block (an L2 tile waited for the L1 tiles that write its act rows)",
-    6: "pulled rows of an m-block (an L1 tile waited for the pull of its tokens into the pool)",
-    7: "rows of a token to combine (the combine waited for the L2 tiles, on any rank, that compute them)",
-    8: "cross-rank barrier's call check",
+    abi.kErrGridBarrierTimeout: "grid barrier (a CTA of this rank never arrived: are all SMs free for the persistent grid?)",
+    abi.kErrPipelineFullTimeout: "TMA pipeline 'full' barrier (loads never completed)",
+    abi.kErrPipelineEmptyTimeout: "TMA pipeline 'empty' barrier (math warpgroups stopped consuming)",
+    abi.kErrL1RowsTimeout: "L1 rows of an m-block (an L2 tile waited for the L1 tiles that write its act rows)",
+    abi.kErrPulledRowsTimeout: "pulled rows of an m-block (an L1 tile waited for the pull of its tokens into the pool)",
+    abi.kErrCombineRowsTimeout: ("rows of a token to combine (the combine waited for the L2 tiles, on any rank, that "
+                                 "compute them)"),
+    abi.kErrCallMismatch: "cross-rank barrier's call check",
 }
-_ERR_CALL_MISMATCH = 8
-# ErrorCode kErrRankNotArrived + r: rank r never arrived at the cross-rank barrier.
-_ERR_RANK_NOT_ARRIVED = 16
-# Where HostWords::error keeps the rank and the kernel tag, and HostWords::detail what the call
-# check saw (csrc/megamoe/params.h).
-_ERROR_RANK_SHIFT = 8
-_ERROR_TAG_SHIFT = 16
-_DETAIL_PEER_SHIFT = 8
-_DETAIL_OWN_TAG_SHIFT = 16
-_DETAIL_PEER_TAG_SHIFT = 40
-# A call's identity, which every rank compares at the cross-rank barrier (params.h CallTag).
-_CALL_TAG_LAYER_MASK = (1 << 20) - 1
-_CALL_TAG_EXACT = 1 << 20
-_CALL_TAG_FAST_MATH = 1 << 21
-_CALL_TAG_REFUSED = 1 << 22
-_CALL_TAG_MASK = (1 << 24) - 1
+_CALL_TAG_MASK = (1 << abi.kCallTagBits) - 1
 
 def _runtime_missing_message() -> str:
     here = Path(__file__).resolve().parent
@@ -89,31 +76,31 @@ def _runtime():
 
 
 def call_tag(layer: int, numerics: str, fast_math: bool, refused: bool = False) -> int:
-    """What a call is, for the ranks to compare (params.h CallTag): the layer (the buffer's ordinal
+    """What a call is, for the ranks to compare (abi.h CallTag): the layer (the buffer's ordinal
     of its weights), the numerics mode, fast_math, and whether this rank refused the call."""
-    return ((layer & _CALL_TAG_LAYER_MASK) | (_CALL_TAG_EXACT if numerics == "exact" else 0)
-            | (_CALL_TAG_FAST_MATH if fast_math else 0) | (_CALL_TAG_REFUSED if refused else 0))
+    return ((layer & abi.kCallTagLayerMask) | (abi.kCallTagExact if numerics == "exact" else 0)
+            | (abi.kCallTagFastMath if fast_math else 0) | (abi.kCallTagRefused if refused else 0))
 
 
 def describe_call_tag(tag: int) -> str:
-    if tag & _CALL_TAG_REFUSED:
+    if tag & abi.kCallTagRefused:
         return "a refused call (invalid arguments: that rank raised a ValueError or TypeError naming them)"
-    return (f"layer {tag & _CALL_TAG_LAYER_MASK} (the buffer's ordinal of the weights), "
-            f"numerics {'exact' if tag & _CALL_TAG_EXACT else 'fast'}, fast_math={bool(tag & _CALL_TAG_FAST_MATH)}")
+    return (f"layer {tag & abi.kCallTagLayerMask} (the buffer's ordinal of the weights), "
+            f"numerics {'exact' if tag & abi.kCallTagExact else 'fast'}, fast_math={bool(tag & abi.kCallTagFastMath)}")
 
 
 def _describe_mismatch(rank: int, detail: int) -> str:
-    """What the call check saw (params.h HostWords::detail of kErrCallMismatch)."""
-    if detail & 0xFF != _ERR_CALL_MISMATCH:  # none stored (cannot happen), or another failure's
+    """What the call check saw (params.h HostWords::detail of abi.h kErrCallMismatch)."""
+    if detail & 0xFF != abi.kErrCallMismatch:  # none stored (cannot happen), or another failure's
         return ""
-    peer = detail >> _DETAIL_PEER_SHIFT & 0xFF
-    own = detail >> _DETAIL_OWN_TAG_SHIFT & _CALL_TAG_MASK
-    other = detail >> _DETAIL_PEER_TAG_SHIFT & _CALL_TAG_MASK
-    if (own | other) & _CALL_TAG_REFUSED:
+    peer = detail >> abi.kDetailPeerShift & 0xFF
+    own = detail >> abi.kDetailOwnTagShift & _CALL_TAG_MASK
+    other = detail >> abi.kDetailPeerTagShift & _CALL_TAG_MASK
+    if (own | other) & abi.kCallTagRefused:
         differs = ["a refused call"]
     else:
-        differs = [what for what, bit in (("the layer", _CALL_TAG_LAYER_MASK), ("the numerics mode", _CALL_TAG_EXACT),
-                                          ("fast_math", _CALL_TAG_FAST_MATH)) if (own ^ other) & bit]
+        differs = [what for what, bit in (("the layer", abi.kCallTagLayerMask), ("the numerics mode", abi.kCallTagExact),
+                                          ("fast_math", abi.kCallTagFastMath)) if (own ^ other) & bit]
     return (f": the ranks' calls of the same number differ in {' and '.join(differs)}: rank {rank} made "
             f"{describe_call_tag(own)}; rank {peer} made {describe_call_tag(other)}. The ranks' calls are out of "
             "step (a rank skipped a call, made an extra one, or called another layer or mode), so every rank "
@@ -123,15 +110,15 @@ def _describe_mismatch(rank: int, detail: int) -> str:
 def describe_error(word: int) -> str:
     """What a failure word (csrc/megamoe/params.h HostWords::error) says: the wait, the rank
     and the kernel variant, and for the cross-rank waits what they saw (HostWords::detail)."""
-    code, rank, tag = word & 0xFF, (word >> _ERROR_RANK_SHIFT) & 0xFF, word >> _ERROR_TAG_SHIFT
-    if _ERR_RANK_NOT_ARRIVED <= code < _ERR_RANK_NOT_ARRIVED + 8:
-        wait = (f"cross-rank barrier: rank {code - _ERR_RANK_NOT_ARRIVED} never arrived (it did not make this "
+    code, rank, tag = word & 0xFF, (word >> abi.kErrorRankShift) & 0xFF, word >> abi.kErrorTagShift
+    if abi.kErrRankNotArrived <= code < abi.kErrRankNotArrived + abi.kMaxRanks:
+        wait = (f"cross-rank barrier: rank {code - abi.kErrRankNotArrived} never arrived (it did not make this "
                 "call on the buffer, or is stuck before it; ranks after it in rank order were not waited for)")
     else:
         wait = _ERROR_NAMES.get(code, f"unknown wait {code}")
     variant = next((v for (_, v), handle in list(_kernels.items()) if handle == tag), None)
     kernel = variant.name() if variant is not None else f"with handle {tag}"
-    if code == _ERR_CALL_MISMATCH:
+    if code == abi.kErrCallMismatch:
         what, detail = "stopped at", _describe_mismatch(rank, _runtime().read_error_detail())
     else:
         what, detail = "timed out waiting on", ""

@@ -3,25 +3,26 @@
 A call given `_timeline=ops.timeline_for(buf)` runs its variant built with MEGAMOE_TIMELINE
 (csrc/megamoe/timeline.cuh), which writes, per CTA and GEMM phase, one producer record and
 one record per math-warpgroup tile, and per warp when its share of the pull ended (the layout is
-csrc/megamoe/params.h's; the JIT source static_asserts these numbers). `summarize` turns them
-into where a tile's time goes: the main loop (per k-block, and the part of it spent waiting for
-loaded stages), the epilogue, the gaps between tiles, and the phase's tail (CTAs done before the
-slowest one). `pull_scatter_lag` says whether the pull and the L2 scatter ever ran at once, over
-one rank's records or those of R ranks side by side on one GPU.
+csrc/megamoe/abi.h's). `summarize` turns them into where a tile's time goes: the main loop (per
+k-block, and the part of it spent waiting for loaded stages), the epilogue, the gaps between
+tiles, and the phase's tail (CTAs done before the slowest one). `pull_scatter_lag` says whether
+the pull and the L2 scatter ever ran at once, over one rank's records or those of R ranks side by
+side on one GPU.
 """
 from __future__ import annotations
 
 import statistics
 from typing import Dict, List, Optional
 
-# Standard library only at import: megamoe_plugin.jit (which compiles without torch) reads the
-# layout numbers.
-MAX_TILES = 128  # params.h kTimelineMaxTiles: tiles per CTA and phase with a record
-RECORDS = 1 + 2 * MAX_TILES  # kTimelineRecords: the producer's, then 2 math warpgroups per tile
-WORDS = 7  # kTimelineWords
+from . import abi
+
+# The layout (csrc/megamoe/abi.h kTimeline*).
+MAX_TILES = abi.kTimelineMaxTiles  # tiles per CTA and phase with a record
+RECORDS = abi.kTimelineRecords  # the producer's, then 2 math warpgroups per tile
+WORDS = abi.kTimelineWords
 PHASES = ("L1", "L2")  # the GEMM phases' slots, in order
-SLOTS = PHASES + ("pull",)  # kTimelineSlots
-PULL_SLOT = SLOTS.index("pull")  # kTimelinePullSlot: record w = warp w's pull ends (globaltimer)
+PULL_SLOT = abi.kTimelinePullSlot  # record w = warp w's pull ends (globaltimer)
+SLOTS = PHASES + ("pull",)  # by index: kTimelineSlots of them, "pull" at PULL_SLOT
 
 
 WRAP = 1 << 32  # the tile records' clocks are 32-bit

@@ -69,13 +69,12 @@ def test_select_block_m_nearest_supported():
 
 
 def test_the_tier_table():
-    """What each tier is (csrc/megamoe/config.cuh): swap-AB below 64, one rebalanced tier (128),
-    which exact numerics does not implement, and which runs 64 without fast_math."""
+    """What each tier is (csrc/megamoe/config.cuh): one rebalanced tier (128), which exact numerics
+    does not implement, and which runs 64 without fast_math."""
     from megamoe_plugin.heuristics import REBALANCED_BLOCK_M, runnable_block_m
 
-    assert [(t.block_m, t.swap_ab, t.rebalanced, t.exact) for t in TIERS] == [
-        (8, True, False, True), (16, True, False, True), (32, True, False, True), (64, False, False, True),
-        (128, False, True, False)]
+    assert [(t.block_m, t.rebalanced, t.exact) for t in TIERS] == [
+        (8, False, True), (16, False, True), (32, False, True), (64, False, True), (128, True, False)]
     assert REBALANCED_BLOCK_M == 128
     assert [runnable_block_m(t.block_m, False) for t in TIERS] == [8, 16, 32, 64, 64]
     assert [runnable_block_m(t.block_m, True) for t in TIERS] == [8, 16, 32, 64, 128]

@@ -126,3 +126,36 @@ def test_parse_ptxas_reads_each_entry_of_a_windowed_variant():
     fused, window = jit.parse_ptxas(log), jit.parse_ptxas(log, jit.WINDOW_KERNEL_NAME)
     assert (fused.registers, fused.spill_stores, fused.wgmma_serialized) == (166, 0, "")
     assert (window.registers, window.spill_stores, window.spill_loads, window.wgmma_serialized) == (168, 780, 788, "C7512")
+
+
+def test_code_only_drops_comments_and_blanks_but_keeps_literals_and_lines():
+    from megamoe_plugin.jit.cpp_text import code_only
+
+    text = ('#include "megamoe/abi.h"  // the ABI\n'
+            '\n'
+            'int  a = 1;\t/* two\n'
+            '   lines */ int b;\n'
+            'const char* s = "// kept,   as /* is */ this";  char q = \'\\\'\';  // a \'quote\'\n'
+            '#define TWO(x) \\\n'
+            '    (x + x)  // continued \\\n'
+            'still the comment\n')
+    assert code_only(text) == ('#include "megamoe/abi.h"\n'
+                               'int a = 1; int b;\n'
+                               'const char* s = "// kept,   as /* is */ this"; char q = \'\\\'\';\n'
+                               '#define TWO(x) \\\n'
+                               '(x + x)')
+    assert code_only("a / b") == "a / b" and code_only("x = 'a") == "x = 'a"
+
+
+def test_the_cache_key_ignores_comments_and_whitespace_in_the_sources(tmp_path):
+    source = jit.CSRC_DIR / "megamoe"
+    copy = tmp_path / "megamoe"
+    copy.mkdir()
+    for path in source.glob("*"):
+        (copy / path.name).write_text(path.read_text())
+    assert jit.sources_digest(copy) == jit._sources_digest()
+    smem = copy / "smem.cuh"
+    smem.write_text("// a new comment\n" + smem.read_text().replace("\n", "  \n\n").replace("  int", "\tint"))
+    assert jit.sources_digest(copy) == jit._sources_digest()
+    smem.write_text(smem.read_text().replace("kSmemBytes", "kSmemBytez"))
+    assert jit.sources_digest(copy) != jit._sources_digest()

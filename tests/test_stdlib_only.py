@@ -1,6 +1,7 @@
 """The heuristics and config-table modules run in the per-call path and in processes
-that have not imported torch yet, and the JIT (which compiles without torch) reads the
-timeline layout: they must import only the standard library."""
+that have not imported torch yet, and the timeline's layout is read without torch: they
+must import only the standard library (and the package's own modules, such as
+megamoe_plugin.abi, whose extension needs nothing else)."""
 import ast
 import sys
 

@@ -9,18 +9,12 @@ from megamoe_plugin.jit import KernelVariant
 from megamoe_plugin.testing import random_layer
 
 
-def test_the_timeline_variant_is_its_own_build_and_asserts_the_layout():
+def test_the_timeline_variant_is_its_own_build():
     plain = KernelVariant(4096, 2048, 6, 32, 1, 128, 4, True, "fast")
     timed = KernelVariant(4096, 2048, 6, 32, 1, 128, 4, True, "fast", timeline=True)
     assert timed.name() == plain.name() + "_timeline"
     assert timed.source().startswith("#define MEGAMOE_TIMELINE 1\n")
     assert "MEGAMOE_TIMELINE" not in plain.source()
-    for source in (plain.source(), timed.source()):  # both check params.h against timeline.py
-        assert f"megamoe::kTimelineMaxTiles == {timeline.MAX_TILES}" in source
-        assert f"megamoe::kTimelineRecords == {timeline.RECORDS}" in source
-        assert f"megamoe::kTimelineSlots == {len(timeline.SLOTS)}" in source
-        assert f"megamoe::kTimelinePullSlot == {timeline.PULL_SLOT}" in source
-        assert f"megamoe::kTimelineWords == {timeline.WORDS}" in source
     from megamoe_plugin.jit import cache_key
     assert cache_key(plain) != cache_key(timed)
 

@@ -3,6 +3,8 @@
 
 #include <stdint.h>
 
+#include "abi.h"
+
 namespace megamoe {
 
 template <int kHidden_, int kInter_, int kTopk_, int kNumExperts_, int kNumRanks_, int kBlockM_, int kNumStages_,
@@ -84,8 +86,8 @@ struct KernelConfig {
   // Accumulator floats per math thread: 2 sub-tiles of m64nBLOCK_M (swap-AB), m64n128 (BLOCK_M 64)
   // or two m64n128 halves (BLOCK_M 128): BLOCK_M in every case.
   static constexpr int kAccFloats = kSwapSubTiles * kBlockM / 2;
-  static constexpr int kBlockN = 256;
-  static constexpr int kBlockK = 128;
+  static constexpr int kBlockN = megamoe::kBlockN;
+  static constexpr int kBlockK = megamoe::kBlockK;
   static constexpr int kWgN = 128;
   // L1: 256 interleaved gate/up rows = 128 outputs = exactly one requant group.
   static constexpr int kL1NumNBlocks = 2 * kInter / kBlockN;
@@ -95,29 +97,19 @@ struct KernelConfig {
 
   // Threads: warpgroup 0 = TMA producer (warp 0) and, in exact L1, token converters (warps 1-3) in
   // the GEMM phases; warpgroups 1-2 = math.
-  static constexpr int kNumThreads = 384;
+  static constexpr int kNumThreads = megamoe::kNumThreads;
   static constexpr int kNumWarps = kNumThreads / 32;
-  static constexpr int kNumMathThreads = 256;
+  static constexpr int kNumMathThreads = megamoe::kNumMathThreads;
 
-  // Shared memory sizes; the layout is smem.cuh SharedStorage.
-  static constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
-  static constexpr int kAmaxSlots = kNumMathThreads / 32;  // L1 requant amax exchange, per math warp
-  // The BLOCK_M 64 / 128 epilogues' quad exchange in fast numerics (epilogue.cuh QuadLines): per
-  // math warp, one 64-byte line for each of its 8 fragment rows. Exact numerics' L2 at BLOCK_M 64
-  // exchanges in registers (quad_transpose): with the lines every exact BLOCK_M 64 variant spilled
-  // 28-40 bytes (its L1 main loop among the places), at the same 168 registers.
-  static constexpr int kQuadLineBytes = (kFp8SwapAB || kExactL1) ? 0 : (kNumMathThreads / 32) * 8 * 64;
-  static constexpr int kL1TokenBytes = kExactL1 ? kBlockM * kBlockK * 2 : 0;  // exact L1's FP16 token tile
+  // Shared memory sizes (abi.h, which says why each is what it is); the layout is smem.cuh SharedStorage.
+  static constexpr int kAmaxSlots = megamoe::kAmaxSlots;
+  static constexpr int kQuadLineBytes = quad_line_bytes(kBlockM, kExactL1);
+  static constexpr int kL1TokenBytes = l1_token_bytes(kBlockM, kExactL1);
   static constexpr int kStageA = kBlockM * kBlockK;
   static constexpr int kStageB = kBlockN * kBlockK;
-  // The A rows' token scales of the k-block ride in the stage after B, in both GEMM phases and both
-  // numerics modes: loaded by the producer with the tile (pipeline.cuh load_a), read by LDS after the
-  // full barrier instead of from L2 in the k-block's critical path (by every math thread in the FP8
-  // GEMMs, by exact L1's converter warps). BLOCK_M + 4 floats: the bulk copy starts at the tile's
-  // first row rounded down to 16 bytes.
-  static constexpr int kStageScaleFloats = kBlockM + 4;
+  static constexpr int kStageScaleFloats = stage_scale_floats(kBlockM);
   static constexpr int kStageScaleBytes = 4 * kStageScaleFloats;
-  static constexpr int kStageBytes = align_up(kStageA + kStageB + kStageScaleBytes, 1024);
+  static constexpr int kStageBytes = stage_bytes(kBlockM);
   // Dispatch-phase scratch aliases the stage area: first the per-CTA expert histogram
   // and the send-side prefix over all experts, then per (local expert, source rank)
   // counts and offsets; each plus 32 ints of scan scratch.

@@ -55,7 +55,7 @@ __device__ int block_exclusive_scan(int* data, int n, int* scratch) {
 
 __device__ __forceinline__ bool is_valid_expert(int64_t e, int num_experts) { return e >= 0 && e < num_experts; }
 
-// The send side's counts, cursors and offsets are [2, E] (params.h BufferOffsets): a call uses half
+// The send side's counts, cursors and offsets are [2, E] (abi.h BufferOffsets): a call uses half
 // `half` (kernel.cuh CtaShared::send_half). A peer reads a call's half until it ends that call. The
 // next call fills the other half, and zeroes this one's counts and cursors only after its cross-rank
 // barrier, which no rank passes before it has ended this call (combine.cuh clear_other_send_half).

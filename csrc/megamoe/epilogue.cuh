@@ -86,7 +86,7 @@ struct EpilogueRows {
   // loaded values stay live across the main loop.
   __device__ static EpilogueRows at_tile_start(const KernelParams& p, uint8_t* base, const ExpertTables& tables,
                                                const Tile& t, int wg, const FragCoord& fc) {
-    EpilogueRows e;
+    EpilogueRows e{};  // value-initialized: without early loads it is returned unset otherwise (nvcc #549-D)
     if constexpr (kEarly) {
       const TileRows<Cfg> rows = TileRows<Cfg>::of(tables, t, wg);
 #pragma unroll

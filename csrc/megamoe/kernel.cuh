@@ -192,7 +192,7 @@ __device__ __forceinline__ void gemm_roles(ProducerWarpgroup&& producer_wg, Math
 }
 
 // The dynamic shared memory, 1024-byte aligned as 128B-swizzled TMA tiles need, where the CTA's
-// SharedStorage<Cfg> lies; the launch adds 1 KiB of slack for the alignment (kSmemBytes<Cfg> does
+// SharedStorage<Cfg> lies; the launch adds kSmemAlignSlack for the alignment (kSmemBytes<Cfg> does
 // not include it). The kernel addresses the members as this base + offsetof: through a
 // SharedStorage& ptxas knows the base is 1024-aligned and schedules the address arithmetic
 // differently (by nvdisasm, every variant's SASS changes), and the served SASS is the one its
@@ -352,7 +352,7 @@ __device__ __forceinline__ void finish_call(const KernelParams& p, uint8_t* base
 template <class Cfg>
 __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   static_assert(Cfg::kNumThreads == Role::kProducerWarpgroupThreads + Cfg::kNumMathThreads, "roles.cuh");
-  static_assert(kSmemBytes<Cfg> + 1024 <= 232448, "shared memory over the SM90 per-block limit");
+  static_assert(kSmemBytes<Cfg> + kSmemAlignSlack <= kSmemLimit, "shared memory over the SM90 per-block limit");
   const CtaShared<Cfg> cta;
   uint8_t* base = p.peer_base[p.rank];
   uint32_t* signals = reinterpret_cast<uint32_t*>(base + p.off.signals);

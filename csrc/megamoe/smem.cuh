@@ -1,8 +1,8 @@
-// The CTA's shared memory, as one struct. Python's heuristics.smem_bytes computes the same size to
-// choose the pipeline depth before anything compiles; the JIT's generated translation unit
-// static_asserts that the two agree (megamoe_plugin/jit KernelVariant.source), so neither side can
-// drift. The kernel places it at the 1024-aligned base of the dynamic shared memory
-// (kernel.cuh aligned_dynamic_smem); the launch adds 1 KiB for that alignment.
+// The CTA's shared memory, as one struct, laid out as abi.h's smem_plan says: Python reads that plan
+// (megamoe_plugin/abi.py) to choose the pipeline depth and the launch size before anything compiles,
+// and every compile of the kernel checks the struct against it (SmemPlanCheck below), so the two
+// cannot drift. The kernel places it at the 1024-aligned base of the dynamic shared memory
+// (kernel.cuh aligned_dynamic_smem); the launch adds kSmemAlignSlack for that alignment.
 #pragma once
 
 #include <cstddef>
@@ -54,7 +54,7 @@ struct SharedStorage {
 
   static_assert(sizeof(full) + sizeof(empty) + sizeof(tok_full) + sizeof(tok_empty) + sizeof(l2_tile_full) +
                     sizeof(l2_tile_ids) + sizeof(l2_done_full) + sizeof(l2_done_empty) + sizeof(l2_done_rows) +
-                    sizeof(rank_rounds_at_start) + sizeof(pool_window) <= 1024,
+                    sizeof(rank_rounds_at_start) + sizeof(pool_window) <= kSmemHeaderBytes,
                 "the barriers, the L2 tile queue and mailbox, the rank round and the pool window fit before the amax exchange");
   static_assert(Cfg::kScratchInts * 4 <= sizeof(stages), "dispatch scratch does not fit");
 };
@@ -92,8 +92,24 @@ __device__ __forceinline__ int* l2_tile_ids_of(uint64_t* full) {
                                 (offsetof(SharedStorage<Cfg>, l2_tile_ids) - offsetof(SharedStorage<Cfg>, full)));
 }
 
-// Bytes of shared memory a variant uses, without the 1 KiB of alignment slack.
+// SharedStorage<Cfg> lies where abi.h's plan for Cfg says, member by member.
 template <class Cfg>
-constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage<Cfg>));
+struct SmemPlanCheck {
+  using S = SharedStorage<Cfg>;
+  static constexpr SmemPlan kPlan = smem_plan(Cfg::kBlockM, Cfg::kNumStages, Cfg::kNumLocalExperts, Cfg::kExactL1);
+  static_assert(offsetof(S, amax_exchange) == kPlan.amax_exchange, "abi.h smem_plan: amax_exchange");
+  static_assert(offsetof(S, tables) == kPlan.tables, "abi.h smem_plan: tables");
+  static_assert(offsetof(S, quad_lines) == kPlan.quad_lines, "abi.h smem_plan: quad_lines");
+  static_assert(offsetof(S, l1_token_scales) == kPlan.l1_token_scales, "abi.h smem_plan: l1_token_scales");
+  static_assert(offsetof(S, l1_tokens) == kPlan.l1_tokens, "abi.h smem_plan: l1_tokens");
+  static_assert(offsetof(S, stages) == kPlan.stages, "abi.h smem_plan: stages");
+  static_assert(sizeof(S::stages[0]) == kPlan.stage, "abi.h smem_plan: stage");
+  static_assert(sizeof(S) == kPlan.bytes, "abi.h smem_plan: bytes");
+  static constexpr int kBytes = kPlan.bytes;
+};
+
+// Bytes of shared memory a variant uses, without kSmemAlignSlack.
+template <class Cfg>
+constexpr int kSmemBytes = SmemPlanCheck<Cfg>::kBytes;
 
 }  // namespace megamoe

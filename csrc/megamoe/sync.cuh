@@ -171,7 +171,7 @@ __device__ __forceinline__ void grid_sync(const KernelParams& p, uint32_t* signa
 // a >= b for counters mod 2^32 that are within 2^31 of each other.
 __device__ __forceinline__ bool reached(uint32_t a, uint32_t b) { return static_cast<int32_t>(a - b) >= 0; }
 
-// This rank's arrival slot for peer `src` (params.h kSigRankArrivals).
+// This rank's arrival slot for peer `src` (abi.h kSigRankArrivals).
 __device__ __forceinline__ unsigned long long* rank_arrival_slot(uint32_t* signals, int src) {
   return reinterpret_cast<unsigned long long*>(signals + kSigRankArrivals) + src;
 }

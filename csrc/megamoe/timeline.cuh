@@ -1,4 +1,4 @@
-// Per-tile clock records of the GEMM phases, for finding where a tile's time goes (params.h
+// Per-tile clock records of the GEMM phases, for finding where a tile's time goes (abi.h
 // gives the layout, tools/tile_timeline.py reads it). Compiled in only where the JIT defines
 // MEGAMOE_TIMELINE (KernelVariant.timeline, which ops.fp8_mega_moe's `_timeline` argument
 // selects): elsewhere every function here is empty and the clocks are constant zeros, so the

@@ -198,12 +198,9 @@ int make_params(const std::vector<uint64_t>& peer_ptrs, int rank, const std::map
     if (it == offsets.end()) throw std::invalid_argument(std::string("megamoe: buffer offset missing: ") + name);
     return it->second;
   };
-  // In BufferOffsets' field order (params.h).
-  p->off = {off("x"),           off("x_sf"),        off("topk_idx"),  off("topk_weights"),
-            off("send_count"),  off("send_cursor"), off("send_offset"), off("send_list"),
-            off("signals"),     off("l1_done"),     off("rows_arrived"), off("pool_x"),
-            off("pool_sf"),     off("pool_weight"), off("pool_src"),  off("act"),
-            off("act_sf"),      off("combine"),     off("combine_arrived")};
+#define MEGAMOE_READ_OFFSET(region) p->off.region = off(#region);
+  MEGAMOE_BUFFER_REGIONS(MEGAMOE_READ_OFFSET)
+#undef MEGAMOE_READ_OFFSET
   for (size_t r = 0; r < peer_ptrs.size(); ++r) p->peer_base[r] = reinterpret_cast<uint8_t*>(peer_ptrs[r]);
   const uint64_t base = peer_ptrs[rank];
   p->l1_done = reinterpret_cast<int*>(base + p->off.l1_done);
@@ -256,7 +253,7 @@ void free_params(int params) {
 void launch(int kernel, int params, uint64_t y, int num_tokens, uint64_t recv_stats, double activation_clamp,
             int num_ctas, int num_threads, uint64_t stream, uint32_t call_tag, int stop_after_phase, uint64_t timeline,
             int window_launches) {
-  if (call_tag >> megamoe::kCallTagBits) throw std::invalid_argument("megamoe: call_tag wider than params.h kCallTagBits");
+  if (call_tag >> megamoe::kCallTagBits) throw std::invalid_argument("megamoe: call_tag wider than abi.h kCallTagBits");
   if (kernel < 0 || kernel >= static_cast<int>(g_kernels.size())) throw std::invalid_argument("megamoe: bad kernel handle");
   if (params < 0 || params >= static_cast<int>(g_params.size()) || g_params[params] == nullptr)
     throw std::invalid_argument("megamoe: bad or freed params handle");

@@ -1,7 +1,9 @@
 """Run-time specialization of the kernel: nvcc to an sm_90a cubin, cached on disk.
 
 A cache entry is a folder named by the variant and a key, a hash of what the cubin computes:
-every kernel source, the generated instantiation and the nvcc flags (NVCC_PREPEND_FLAGS and
+every kernel source (as the compiler sees it: comments and whitespace do not count, so a cubin
+built before such a change keeps its -lineinfo line table, which a profiler may then show off by
+a few lines), the generated instantiation and the nvcc flags (NVCC_PREPEND_FLAGS and
 NVCC_APPEND_FLAGS among them, where set). Inside it, one build per toolchain, in a folder named
 by nvcc's version and the CUTLASS headers' version (`nvcc13.0.88-cutlass4.2.0`), with a manifest
 of its cubin (megamoe_plugin.jit.cache: a cache folder is code, so a build loads only from a
@@ -41,13 +43,13 @@ import threading
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
-from ..buffer import SIGNAL_WORDS, BufferShape, window_loop
+from .. import abi
+from ..buffer import BufferShape, window_loop
 from ..heuristics import DEFAULT_NUMERICS, TIER_OF, implemented_block_m
 from ..paths import CSRC_DIR
 from ..settings import cache_dir, cache_dir_setting, cutlass_include, nvcc as chosen_nvcc
-from ..timeline import MAX_TILES as TIMELINE_MAX_TILES, PULL_SLOT as TIMELINE_PULL_SLOT, RECORDS as TIMELINE_RECORDS
-from ..timeline import SLOTS as TIMELINE_SLOTS, WORDS as TIMELINE_WORDS
 from . import cache
+from .cpp_text import code_only
 # What compile_variant raises besides KernelMissingError, as megamoe_plugin.jit's.
 from .cache import CacheWriteError, NvccError, NvccTimeoutError, UntrustedCacheError  # noqa: F401
 
@@ -56,7 +58,7 @@ _log = logging.getLogger(__name__)
 KERNEL_NAME = "megamoe_fused_kernel"
 # Windowed variants' second entry (csrc/megamoe/kernel.cuh mega_moe_windows), launched after the first.
 WINDOW_KERNEL_NAME = "megamoe_window_kernel"
-NUM_THREADS = 384
+NUM_THREADS = abi.kNumThreads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +92,6 @@ class KernelVariant:
         cfg = (f"megamoe::KernelConfig<{self.hidden}, {self.intermediate_size}, {self.num_topk}, {self.num_experts}, "
                f"{self.num_ranks}, {self.block_m}, {self.num_stages}, {cpp_bool[self.fast_math]}, "
                f"{cpp_bool[self.numerics == 'exact']}, {cpp_bool[self.windowed]}>")
-        signal_asserts = "".join(f"static_assert(megamoe::kSig{_camel(name)} == {index}, \"buffer.SIGNAL_WORDS\");\n"
-                                 for name, index in SIGNAL_WORDS.items())
-        timeline_asserts = "".join(
-            f"static_assert(megamoe::kTimeline{name} == {value}, \"megamoe_plugin.timeline\");\n"
-            for name, value in (("MaxTiles", TIMELINE_MAX_TILES), ("Slots", len(TIMELINE_SLOTS)),
-                                ("PullSlot", TIMELINE_PULL_SLOT), ("Records", TIMELINE_RECORDS),
-                                ("Words", TIMELINE_WORDS)))
         return (
             ("#define MEGAMOE_TIMELINE 1\n" if self.timeline else "")
             + '#include "megamoe/kernel.cuh"\n'
@@ -108,19 +103,12 @@ class KernelVariant:
                f"{{ megamoe::mega_moe_windows<Cfg>(p); }}\n"
                f"static_assert(Cfg::kWindowLoop == {cpp_bool[window_loop(self.block_m)]}, "
                f"\"buffer.window_loop\");\n" if self.windowed else "")
-            + f"static_assert(megamoe::kSmemBytes<Cfg> + 1024 == {smem_bytes_of(self)}, "
-            f"\"heuristics.smem_bytes disagrees with smem.cuh SharedStorage\");\n"
-            + signal_asserts + timeline_asserts
         )
 
     def name(self) -> str:
         return (f"h{self.hidden}_i{self.intermediate_size}_k{self.num_topk}_e{self.num_experts}_r{self.num_ranks}"
                 f"_bm{self.block_m}_st{self.num_stages}_fm{int(self.fast_math)}_{self.numerics}"
                 + ("_win" if self.windowed else "") + ("_timeline" if self.timeline else ""))
-
-
-def _camel(snake: str) -> str:
-    return "".join(part.capitalize() for part in snake.split("_"))
 
 
 # Where the CUDA toolkit is when neither MEGAMOE_NVCC, PATH nor CUDA_HOME says.
@@ -228,10 +216,16 @@ def nvcc_flags() -> List[str]:
 
 @functools.lru_cache(maxsize=None)
 def _sources_digest() -> str:
+    return sources_digest(CSRC_DIR / "megamoe")
+
+
+def sources_digest(folder: Path) -> str:
+    """The hash of the kernel sources in `folder` as the compiler sees them (cpp_text.code_only: a
+    comment or whitespace change leaves it, and so every cached kernel, as it was)."""
     h = hashlib.sha256()
-    for path in sorted((CSRC_DIR / "megamoe").glob("*")):
+    for path in sorted(folder.glob("*")):
         h.update(path.name.encode())
-        h.update(path.read_bytes())
+        h.update(code_only(path.read_text(encoding="utf-8")).encode())
     return h.hexdigest()
 
 
@@ -323,8 +317,8 @@ class CompiledKernel:
 
 
 def smem_bytes_of(variant: KernelVariant) -> int:
-    """Dynamic shared memory to launch with (heuristics.smem_bytes; the generated source
-    static_asserts that it equals sizeof(SharedStorage) (csrc/megamoe/smem.cuh) + 1 KiB slack)."""
+    """Dynamic shared memory to launch with (heuristics.smem_bytes: csrc/megamoe/abi.h's plan of the
+    SharedStorage that the variant's smem.cuh static_asserts against it, and the alignment slack)."""
     from ..heuristics import smem_bytes
 
     return smem_bytes(variant.block_m, variant.num_stages, variant.num_experts // variant.num_ranks, variant.numerics)
