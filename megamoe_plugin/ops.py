@@ -49,6 +49,7 @@ _ERROR_NAMES = {
 }
 _CALL_TAG_MASK = (1 << abi.kCallTagBits) - 1
 
+
 def _runtime_missing_message() -> str:
     here = Path(__file__).resolve().parent
     message = f"megamoe: the host runtime extension is not built in {here}"
@@ -113,7 +114,7 @@ def describe_error(word: int) -> str:
     code, rank, tag = word & 0xFF, (word >> abi.kErrorRankShift) & 0xFF, word >> abi.kErrorTagShift
     if abi.kErrRankNotArrived <= code < abi.kErrRankNotArrived + abi.kMaxRanks:
         wait = (f"cross-rank barrier: rank {code - abi.kErrRankNotArrived} never arrived (it did not make this "
-                "call on the buffer, or is stuck before it; ranks after it in rank order were not waited for)")
+                "call on the buffer, or is stuck before it; the ranks this rank waits for after it were not checked)")
     else:
         wait = _ERROR_NAMES.get(code, f"unknown wait {code}")
     variant = next((v for (_, v), handle in list(_kernels.items()) if handle == tag), None)
