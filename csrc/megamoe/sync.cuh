@@ -184,7 +184,7 @@ __device__ __forceinline__ unsigned long long* rank_arrival_slot(uint32_t* signa
 // another layer or numerics mode, or refused its call): every rank sees the other's slot, so each
 // stops with kErrCallMismatch naming the other, and none passes the barrier. A later call in a
 // slot is a peer that passed this barrier, so it had found this rank's tag equal to its own.
-// A timeout names the first rank (in rank order) whose slot stayed behind.
+// A timeout names the first rank, waiting from this one in rank order, whose slot stayed behind.
 // Memory written before it (local or to peers) is visible to every rank after it.
 // Writers to peer memory must have issued __threadfence_system() before arriving.
 // `call` numbers this rank's calls on the buffer since it was made (mod 2^32): every CTA reads the
