@@ -9,7 +9,7 @@ SymmBuffer (buffer.buffer_of). The weights travel as their four tensors.
 
 The fake implementation only resolves the key and checks the storage's shape: there are
 no outputs whose shapes it would have to describe, and every other argument check needs
-real tensors (ops.validate_call runs in the eager implementation). Registering needs
+real tensors (validation.validate_call runs in the eager implementation). Registering needs
 neither a GPU nor nvcc.
 
 Staging (stage_inputs) may sit in the same graph under dynamo, but AOTAutograd (the

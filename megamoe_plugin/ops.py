@@ -1,4 +1,5 @@
-"""Op layer: validates a call, picks the kernel variant, launches it.
+"""Op layer: picks a call's kernel variant, builds once what its calls need, launches it. The
+checks before a launch are validation's; what kernels report back, reports'.
 
 Everything that does not change between calls (the compiled kernel, TMA descriptors
 over the buffer and the weights, the launch configuration) is built by `warmup` (or the
@@ -8,240 +9,31 @@ a CUDA graph. A call inside graph capture that would still have to build somethi
 raises instead (compiling or allocating there would break the capture or stall it).
 
 What kernels report without anyone waiting for them (a timed-out wait, dropped routing
-entries) reaches the log through `watchdog`, started with the first kernel load.
+entries) reaches the log through `reports.watchdog`, started with the first kernel load.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
 import math
-from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from . import abi
+from . import native, reports, validation
 from .buffer import SymmBuffer
 from .heuristics import DEFAULT_NUMERICS
 from .jit import (NUM_THREADS, KERNEL_NAME, WINDOW_KERNEL_NAME, KernelMissingError, KernelVariant, compile_variant, compile_variants,
                   missing_variants, variants_to_compile)
 from .jit.command import build_command
 from .progress import progress_bar
-from . import timeline
+from . import settings, timeline
 from .variants import variant_for
-from . import settings
-from .watchdog import Watchdog
-from .weights import unpack_pair
+# The op layer's public surface beside its own functions (README: mm.ops.synchronize()).
+from .reports import synchronize  # noqa: F401
+from .validation import resolve_numerics  # noqa: F401
 
 WeightPair = Tuple[torch.Tensor, torch.Tensor]
-
-# Why a kernel stopped (csrc/megamoe/abi.h ErrorCode: the low byte of HostWords::error).
-_ERROR_NAMES = {
-    abi.kErrGridBarrierTimeout: "grid barrier (a CTA of this rank never arrived: are all SMs free for the persistent grid?)",
-    abi.kErrPipelineFullTimeout: "TMA pipeline 'full' barrier (loads never completed)",
-    abi.kErrPipelineEmptyTimeout: "TMA pipeline 'empty' barrier (math warpgroups stopped consuming)",
-    abi.kErrL1RowsTimeout: "L1 rows of an m-block (an L2 tile waited for the L1 tiles that write its act rows)",
-    abi.kErrPulledRowsTimeout: "pulled rows of an m-block (an L1 tile waited for the pull of its tokens into the pool)",
-    abi.kErrCombineRowsTimeout: ("rows of a token to combine (the combine waited for the L2 tiles, on any rank, that "
-                                 "compute them)"),
-    abi.kErrCallMismatch: "cross-rank barrier's call check",
-}
-_CALL_TAG_MASK = (1 << abi.kCallTagBits) - 1
-
-
-def _runtime_missing_message() -> str:
-    here = Path(__file__).resolve().parent
-    message = f"megamoe: the host runtime extension is not built in {here}"
-    # The usual cause: a source checkout (e.g. the working directory) earlier on sys.path
-    # than the installed package, which has the extension.
-    try:
-        dist = importlib.metadata.distribution("megamoe_plugin")
-        for file in dist.files or []:
-            if file.name.startswith("_runtime.") and file.name.endswith((".so", ".pyd")):
-                installed = Path(str(dist.locate_file(file))).resolve().parent
-                if installed != here:
-                    return (f"{message}; the installed megamoe_plugin in {installed} has it but this source tree "
-                            "shadows it: run from another directory, or build here (pip install -e .)")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    return f"{message} (reinstall the package on a machine with the CUDA toolkit headers: pip install -e .)"
-
-
-def _runtime():
-    try:
-        from . import _runtime
-    except ImportError as exc:
-        raise RuntimeError(_runtime_missing_message()) from exc
-    return _runtime
-
-
-def call_tag(layer: int, numerics: str, fast_math: bool, refused: bool = False) -> int:
-    """What a call is, for the ranks to compare (abi.h CallTag): the layer (the buffer's ordinal
-    of its weights), the numerics mode, fast_math, and whether this rank refused the call."""
-    return ((layer & abi.kCallTagLayerMask) | (abi.kCallTagExact if numerics == "exact" else 0)
-            | (abi.kCallTagFastMath if fast_math else 0) | (abi.kCallTagRefused if refused else 0))
-
-
-def describe_call_tag(tag: int) -> str:
-    if tag & abi.kCallTagRefused:
-        return "a refused call (invalid arguments: that rank raised a ValueError or TypeError naming them)"
-    return (f"layer {tag & abi.kCallTagLayerMask} (the buffer's ordinal of the weights), "
-            f"numerics {'exact' if tag & abi.kCallTagExact else 'fast'}, fast_math={bool(tag & abi.kCallTagFastMath)}")
-
-
-def _describe_mismatch(rank: int, detail: int) -> str:
-    """What the call check saw (params.h HostWords::detail of abi.h kErrCallMismatch)."""
-    if detail & 0xFF != abi.kErrCallMismatch:  # none stored (cannot happen), or another failure's
-        return ""
-    peer = detail >> abi.kDetailPeerShift & 0xFF
-    own = detail >> abi.kDetailOwnTagShift & _CALL_TAG_MASK
-    other = detail >> abi.kDetailPeerTagShift & _CALL_TAG_MASK
-    if (own | other) & abi.kCallTagRefused:
-        differs = ["a refused call"]
-    else:
-        differs = [what for what, bit in (("the layer", abi.kCallTagLayerMask), ("the numerics mode", abi.kCallTagExact),
-                                          ("fast_math", abi.kCallTagFastMath)) if (own ^ other) & bit]
-    return (f": the ranks' calls of the same number differ in {' and '.join(differs)}: rank {rank} made "
-            f"{describe_call_tag(own)}; rank {peer} made {describe_call_tag(other)}. The ranks' calls are out of "
-            "step (a rank skipped a call, made an extra one, or called another layer or mode), so every rank "
-            "stopped instead of mixing them")
-
-
-def describe_error(word: int) -> str:
-    """What a failure word (csrc/megamoe/params.h HostWords::error) says: the wait, the rank
-    and the kernel variant, and for the cross-rank waits what they saw (HostWords::detail)."""
-    code, rank, tag = word & 0xFF, (word >> abi.kErrorRankShift) & 0xFF, word >> abi.kErrorTagShift
-    if abi.kErrRankNotArrived <= code < abi.kErrRankNotArrived + abi.kMaxRanks:
-        wait = (f"cross-rank barrier: rank {code - abi.kErrRankNotArrived} never arrived (it did not make this "
-                "call on the buffer, or is stuck before it; the ranks this rank waits for after it were not checked)")
-    else:
-        wait = _ERROR_NAMES.get(code, f"unknown wait {code}")
-    variant = next((v for (_, v), handle in list(_kernels.items()) if handle == tag), None)
-    kernel = variant.name() if variant is not None else f"with handle {tag}"
-    if code == abi.kErrCallMismatch:
-        what, detail = "stopped at", _describe_mismatch(rank, _runtime().read_error_detail())
-    else:
-        what, detail = "timed out waiting on", ""
-    return f"megamoe kernel {what} the {wait}; rank {rank}, kernel {kernel}{detail}. The CUDA context is lost: restart the process"
-
-
-def kernel_error() -> Optional[str]:
-    """The failure recorded by an earlier kernel in this process, or None."""
-    word = _runtime().read_error_word()
-    return describe_error(word) if word else None
-
-
-def describe_bad_expert_ids(count: int) -> str:
-    return (f"megamoe: {count} topk_idx entr{'y' if count == 1 else 'ies'} outside [-1, num_experts) met by "
-            "fp8_mega_moe calls since the last report; the kernel dropped them like empty slots, so those calls' y "
-            "is wrong")
-
-
-# The bad-expert-id count (HostWords::bad_expert_ids, never cleared) up to which
-# raise_input_errors has raised; the watchdog keeps its own.
-_bad_expert_ids_raised = 0
-
-
-def raise_input_errors() -> None:
-    """Raises ValueError if kernels launched earlier in this process met invalid input since
-    the last such ValueError. It reads host memory the kernels write, without waiting for
-    them: fp8_mega_moe calls it after each launch (so the call has taken part in the group's
-    protocol: no rank skips a call its peers make), synchronize() after the wait, so an
-    error surfaces at the latest at the eager call after the bad one (or after a graph
-    replay; the watchdog logs it meanwhile). Inside graph capture it leaves the error for the
-    next eager call: raising there would abort the capture, not the bad call."""
-    global _bad_expert_ids_raised
-    total = _runtime().read_bad_expert_ids()
-    if total == _bad_expert_ids_raised or torch.cuda.is_current_stream_capturing():
-        return
-    new, _bad_expert_ids_raised = total - _bad_expert_ids_raised, total
-    raise ValueError(describe_bad_expert_ids(new))
-
-
-_watchdog = Watchdog(lambda: _runtime().read_error_word(), lambda: _runtime().read_bad_expert_ids(), describe_error,
-                     describe_bad_expert_ids)
-
-
-def synchronize() -> None:
-    """torch.cuda.synchronize(), turning a kernel timeout into a RuntimeError that names the
-    wait, and invalid input a kernel met into a ValueError (raise_input_errors)."""
-    try:
-        torch.cuda.synchronize()
-    except Exception as exc:  # torch raises RuntimeError or its AcceleratorError
-        reason = kernel_error()
-        if reason is not None:
-            raise RuntimeError(reason) from exc
-        raise
-    raise_input_errors()
-
-
-def _require_sm90(device: torch.device) -> None:
-    if device.type != "cuda":
-        raise RuntimeError(f"megamoe: fp8_mega_moe needs an SM90 (Hopper) GPU; the buffer is on {device}")
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) != (9, 0):
-        name = torch.cuda.get_device_name(device)
-        raise RuntimeError(f"megamoe: fp8_mega_moe needs an SM90 (Hopper: H100/H200/H20) GPU; {name} is "
-                           f"sm_{major}{minor}")
-
-
-def _check_tensor(t, name: str, dtype: torch.dtype, shape: Tuple[int, ...], device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} (the buffer's device), got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
-def resolve_numerics(numerics: Optional[str]) -> str:
-    """The call's numerics mode (docs/design.md section 2): the argument, else MEGAMOE_NUMERICS,
-    else "fast"."""
-    from .heuristics import check_numerics
-
-    return check_numerics(numerics) if numerics is not None else settings.numerics()
-
-
-def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats,
-                  config_num_tokens=None) -> None:
-    """Every check of a call, before anything is launched (docs/design.md section 3)."""
-    if not isinstance(buf, SymmBuffer):
-        raise TypeError(f"buf must be a SymmBuffer from get_symm_buffer, got {type(buf).__name__}")
-    if buf.closed:
-        raise ValueError("buf was closed (SymmBuffer.close); allocate a new one")
-    s, dev = buf.shape, buf.device
-    el, h, i = s.num_local_experts, s.hidden, s.intermediate_size
-    if not isinstance(y, torch.Tensor):
-        raise TypeError(f"y must be a torch.Tensor, got {type(y).__name__}")
-    if y.dim() != 2 or y.shape[1] != h:
-        raise ValueError(f"y must have shape [num_tokens, hidden={h}], got {list(y.shape)}")
-    if y.shape[0] > s.num_max_tokens_per_rank:
-        raise ValueError(f"y has {y.shape[0]} tokens, more than the buffer's num_max_tokens_per_rank="
-                         f"{s.num_max_tokens_per_rank}")
-    _check_tensor(y, "y", torch.bfloat16, (y.shape[0], h), dev)
-    w13, w13_scale = unpack_pair(l1, "l1")
-    w2, w2_scale = unpack_pair(l2, "l2")
-    _check_tensor(w13, "l1 weight (w13)", torch.float8_e4m3fn, (el, 2 * i, h), dev)
-    _check_tensor(w13_scale, "l1 scale (w13_scale, transformed layout)", torch.float32, (el, i // 128, 2, h // 128), dev)
-    _check_tensor(w2, "l2 weight (w2)", torch.float8_e4m3fn, (el, h, i), dev)
-    _check_tensor(w2_scale, "l2 scale (w2_scale)", torch.float32, (el, h // 128, i // 128), dev)
-    if activation_clamp is not None:
-        if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float)):
-            raise TypeError(f"activation_clamp must be a float or None, got {type(activation_clamp).__name__}")
-        if not (math.isfinite(activation_clamp) and activation_clamp > 0):
-            raise ValueError(f"activation_clamp must be a finite positive number, got {activation_clamp}")
-    if not isinstance(fast_math, bool):
-        raise TypeError(f"fast_math must be a bool, got {type(fast_math).__name__}")
-    if cumulative_local_expert_recv_stats is not None:
-        _check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", torch.int32, (el,), dev)
-    if config_num_tokens is not None and (isinstance(config_num_tokens, bool) or not isinstance(config_num_tokens, int)
-                                          or config_num_tokens < 0):
-        raise ValueError(f"config_num_tokens must be a non-negative int or None, got {config_num_tokens!r}")
 
 
 def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool, numerics: str = DEFAULT_NUMERICS
@@ -334,10 +126,11 @@ def _kernel_handle(device: torch.device, variant: KernelVariant) -> int:
         _refuse_in_capture(f"compile and load kernel {variant.name()}")
         compiled = compile_variant(variant, verbose=True)
         with torch.cuda.device(device):
-            handle = _runtime().load_kernel(str(compiled.cubin), KERNEL_NAME, compiled.smem_bytes,
+            handle = native.runtime().load_kernel(str(compiled.cubin), KERNEL_NAME, compiled.smem_bytes,
                                             WINDOW_KERNEL_NAME if variant.windowed else "")
         _kernels[key] = handle
-        _watchdog.start()  # before the first launch of any kernel
+        reports.name_kernel(handle, variant.name())
+        reports.watchdog.start()  # before the first launch of any kernel
     return handle
 
 
@@ -357,7 +150,7 @@ def _params_handle(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, block_m: int
                                "Reloading weights on a buffer is not supported: make a new buffer after a reload")
         s = buf.shape
         with torch.cuda.device(buf.device):
-            handle = _runtime().make_params(
+            handle = native.runtime().make_params(
                 list(buf.peer_ptrs), buf.rank, buf.layout.offsets(), s.pool_capacity, s.hidden, s.intermediate_size,
                 s.num_local_experts, block_m, l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(),
                 l2[1].data_ptr(), settings.timeout_s())
@@ -369,7 +162,7 @@ def _forget_buffer(buffer_id: int) -> None:
     _layer_ordinals.pop(buffer_id, None)
     _latest_launch.pop(buffer_id, None)
     for handle in _params.pop(buffer_id, {}).values():
-        _runtime().free_params(handle)
+        native.runtime().free_params(handle)
 
 
 def _layer_ordinal(buf: SymmBuffer, l1: WeightPair, l2: WeightPair) -> int:
@@ -413,8 +206,8 @@ def _load_for_calls(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_
                     fast_math: bool, numerics: Optional[str], other_layers: Iterable[Tuple[WeightPair, WeightPair]]
                     ) -> int:
     """warmup's work on this rank: compile, load, build params; the number of variants."""
-    _require_sm90(buf.device)
-    numerics = resolve_numerics(numerics)
+    validation.require_sm90(buf.device)
+    numerics = validation.resolve_numerics(numerics)
     num_tokens_list = [int(n) for n in num_tokens_list]
     variants = []
     for n in num_tokens_list:
@@ -501,15 +294,15 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     `_timeline` (ops.timeline_for(buf); megamoe_plugin.timeline reads it) is for finding where a GEMM tile's time
     goes: the call runs its variant built with per-tile clock records, which it writes there."""
     try:
-        validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats,
+        validation.validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats,
                       config_num_tokens)
-        numerics = resolve_numerics(numerics)
+        numerics = validation.resolve_numerics(numerics)
         if _timeline is not None:
-            _check_tensor(_timeline, "_timeline (ops.timeline_for)", torch.int64, _timeline_shape(buf), buf.device)
+            validation.check_tensor(_timeline, "_timeline (ops.timeline_for)", torch.int64, _timeline_shape(buf), buf.device)
     except (TypeError, ValueError):
         _refuse_call(buf)
         raise
-    _require_sm90(buf.device)
+    validation.require_sm90(buf.device)
     num_tokens = y.shape[0]
     variant = select_variant(buf, num_tokens if config_num_tokens is None else config_num_tokens, fast_math,
                              numerics)
@@ -517,7 +310,7 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
         variant = dataclasses.replace(variant, timeline=True)
     kernel = _kernel_handle(buf.device, variant)
     params = _params_handle(buf, tuple(l1), tuple(l2), variant.block_m)
-    tag = call_tag(_layer_ordinal(buf, tuple(l1), tuple(l2)), numerics, fast_math)
+    tag = reports.call_tag(_layer_ordinal(buf, tuple(l1), tuple(l2)), numerics, fast_math)
     if torch.cuda.is_current_stream_capturing():
         buf.mark_captured()
     else:
@@ -529,18 +322,18 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
             buf.shape.window_kernel_launches(variant.block_m) if variant.windowed else 0)
     _latest_launch[id(buf)] = (kernel, params)
     # After the launch: the call has taken part, so no rank skips a call its peers make.
-    raise_input_errors()
+    reports.raise_input_errors()
     return y
 
 
 def _launch(buf: SymmBuffer, kernel: int, params: int, tag: int, y_ptr: int, num_tokens: int, stats_ptr: int,
             activation_clamp: float, stop_after_phase: int, timeline_ptr: int, window_launches: int) -> None:
     try:
-        _runtime().launch(kernel, params, y_ptr, num_tokens, stats_ptr, activation_clamp, _grid_size(buf),
+        native.runtime().launch(kernel, params, y_ptr, num_tokens, stats_ptr, activation_clamp, _grid_size(buf),
                           NUM_THREADS, torch.cuda.current_stream(buf.device).cuda_stream, tag, stop_after_phase,
                           timeline_ptr, window_launches)
     except RuntimeError as exc:  # the runtime refuses to launch after a kernel failed: say which wait
-        reason = kernel_error()
+        reason = reports.kernel_error()
         if reason is not None:
             raise RuntimeError(reason) from exc
         raise
@@ -558,6 +351,6 @@ def _refuse_call(buf) -> None:
         return
     kernel, params = _latest_launch[id(buf)]
     try:
-        _launch(buf, kernel, params, call_tag(0, "fast", False, refused=True), 0, 0, 0, math.inf, 0, 0, 0)
+        _launch(buf, kernel, params, reports.call_tag(0, "fast", False, refused=True), 0, 0, 0, math.inf, 0, 0, 0)
     except RuntimeError:
         pass  # an earlier kernel failed: the group has stopped already; the caller's error is the one to raise

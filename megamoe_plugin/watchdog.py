@@ -12,7 +12,7 @@ it reads the host words with plain loads (no CUDA call: nothing is added per lau
 it works after the context died) and logs at ERROR on the "megamoe_plugin" logger
 (under vLLM, whose logging shows only its own loggers, the plugin routes that logger to
 vLLM's: serving.route_logs_to): the first kernel failure, once, and how many bad expert ids
-were dropped since its last report. It reads the counter without clearing it: `ops.raise_input_errors` keeps its own
+were dropped since its last report. It reads the counter without clearing it: `reports.raise_input_errors` keeps its own
 record of what it raised.
 """
 from __future__ import annotations

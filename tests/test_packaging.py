@@ -99,7 +99,7 @@ def test_source_tree_shadowing_the_installed_copy_is_named(installed, tmp_path):
     shutil.copytree(REPO / "megamoe_plugin", checkout / "megamoe_plugin",
                     ignore=shutil.ignore_patterns("_runtime.*", "__pycache__"))
     env = dict(os.environ, PYTHONPATH=str(target))
-    probe = "import megamoe_plugin.ops as o; print(o.__file__); print(o._runtime_missing_message())"
+    probe = "import megamoe_plugin.native as n; print(n.__file__); print(n._missing_message())"
     out = subprocess.run([sys.executable, "-c", probe], cwd=checkout, env=env, capture_output=True, text=True,
                          check=True).stdout
     imported_from, message = out.splitlines()

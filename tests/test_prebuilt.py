@@ -14,7 +14,7 @@ import torch
 
 import megamoe_plugin as mm
 from kernel_stand_ins import compiles, fresh_toolchain, stand_in_toolchain  # noqa: F401
-from megamoe_plugin import jit, ops, progress
+from megamoe_plugin import jit, ops, progress, validation
 from megamoe_plugin.jit import cli, command
 from megamoe_plugin.variants import deployment_variants
 from megamoe_plugin.model_config import MoEShape, shape_from_args
@@ -94,7 +94,7 @@ def test_warmup_without_nvcc_fails_before_compiling_and_says_how_to_build(jit_ca
                                                                           monkeypatch):
     """ops.warmup names every variant its batch sizes select that the cache lacks, in one
     error, and its command builds exactly what was missing (for this GPU's table)."""
-    monkeypatch.setattr(ops, "_require_sm90", lambda device: None)
+    monkeypatch.setattr(validation, "require_sm90", lambda device: None)
     monkeypatch.setattr(ops, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(ops, "_grid_size", lambda buf: 132)
     compiled = []
@@ -165,7 +165,7 @@ def test_bad_batch_sizes(text):
 def test_warmup_progress_says_compiling_only_when_something_compiles(jit_cache, fake_build, monkeypatch, cached):
     """A start-up from a warm cache shows a "loading" bar; one that runs nvcc a "compiling" one,
     counting every variant the batch sizes select."""
-    monkeypatch.setattr(ops, "_require_sm90", lambda device: None)
+    monkeypatch.setattr(validation, "require_sm90", lambda device: None)
     monkeypatch.setattr(ops, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(ops, "_grid_size", lambda buf: 132)
     monkeypatch.setattr(ops, "_kernel_handle", lambda device, variant: None)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import megamoe_plugin as mm
-from megamoe_plugin import ops
+from megamoe_plugin import native, ops, reports, validation
 from megamoe_plugin.buffer import BufferShape, SymmBuffer, get_symm_buffer_size
 from megamoe_plugin.testing import random_layer
 from megamoe_plugin.watchdog import Watchdog
@@ -81,8 +81,8 @@ def fake(monkeypatch):
     def compiled(variant):
         return types.SimpleNamespace(variant=variant, cubin=f"/cache/{variant.name()}.cubin", smem_bytes=1)
 
-    monkeypatch.setattr(ops, "_runtime", lambda: runtime)
-    monkeypatch.setattr(ops, "_require_sm90", lambda device: None)
+    monkeypatch.setattr(native, "runtime", lambda: runtime)
+    monkeypatch.setattr(validation, "require_sm90", lambda device: None)
     monkeypatch.setattr(ops, "_device_name", lambda device: "NVIDIA H200")
     monkeypatch.setattr(ops, "_grid_size", lambda buf: 132)
     monkeypatch.setattr(ops, "compile_variant", lambda variant, verbose=False: compiled(variant))
@@ -90,10 +90,11 @@ def fake(monkeypatch):
     monkeypatch.setattr(ops, "_kernels", {})
     monkeypatch.setattr(ops, "_params", {})
     monkeypatch.setattr(ops, "_variants", {})
-    monkeypatch.setattr(ops, "_bad_expert_ids_raised", 0)
-    watchdog = Watchdog(runtime.read_error_word, runtime.read_bad_expert_ids, ops.describe_error,
-                        ops.describe_bad_expert_ids, interval_s=0.02)
-    monkeypatch.setattr(ops, "_watchdog", watchdog)
+    monkeypatch.setattr(reports, "_bad_expert_ids_raised", 0)
+    monkeypatch.setattr(reports, "_kernel_names", {})
+    watchdog = Watchdog(runtime.read_error_word, runtime.read_bad_expert_ids, reports.describe_error,
+                        reports.describe_bad_expert_ids, interval_s=0.02)
+    monkeypatch.setattr(reports, "watchdog", watchdog)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing.on)
@@ -272,20 +273,20 @@ def test_describe_error_names_the_wait_the_rank_and_the_variant(fake):
     ops.warmup(buf, layer.l1, layer.l2, [1, 64])
     variant = ops.select_variant(buf, 64, True)
     tag = ops._kernels[(None, variant)]
-    message = ops.describe_error((16 + 0) | 1 << 8 | tag << 16)  # kErrRankNotArrived + 0, seen by rank 1
+    message = reports.describe_error((16 + 0) | 1 << 8 | tag << 16)  # kErrRankNotArrived + 0, seen by rank 1
     assert message.startswith("megamoe kernel timed out waiting on the cross-rank barrier: rank 0 never arrived")
     assert f"rank 1, kernel {variant.name()}" in message and "restart the process" in message
 
 
 @pytest.mark.parametrize("own, other, differs, made", [
-    (ops.call_tag(5, "fast", True), ops.call_tag(6, "fast", True), "the layer", "rank 0 made layer 6"),
-    (ops.call_tag(5, "fast", True), ops.call_tag(5, "exact", True), "the numerics mode", "numerics exact"),
-    (ops.call_tag(5, "fast", True), ops.call_tag(0, "fast", False, refused=True), "a refused call",
+    (reports.call_tag(5, "fast", True), reports.call_tag(6, "fast", True), "the layer", "rank 0 made layer 6"),
+    (reports.call_tag(5, "fast", True), reports.call_tag(5, "exact", True), "the numerics mode", "numerics exact"),
+    (reports.call_tag(5, "fast", True), reports.call_tag(0, "fast", False, refused=True), "a refused call",
      "rank 0 made a refused call"),
 ])
 def test_describe_error_names_both_ranks_of_a_call_mismatch(fake, own, other, differs, made):
     fake.runtime.error_detail = 8 | 0 << 8 | own << 16 | other << 40  # abi.h kDetail*: code, peer, the two tags
-    message = ops.describe_error(8 | 1 << 8)
+    message = reports.describe_error(8 | 1 << 8)
     assert message.startswith("megamoe kernel stopped at the cross-rank barrier's call check; rank 1")
     assert f"differ in {differs}: rank 1 made " in message and made in message
 

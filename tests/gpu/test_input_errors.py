@@ -82,7 +82,7 @@ def test_every_bad_entry_is_counted(setup):
 def _watchdog_caught_up(timeout_s=3.0):
     """Waits until the watchdog has logged every bad id counted so far (earlier tests')."""
     deadline = time.monotonic() + timeout_s
-    while mm.ops._watchdog.bad_expert_ids_reported != mm.ops._runtime().read_bad_expert_ids():
+    while mm.reports.watchdog.bad_expert_ids_reported != mm.native.runtime().read_bad_expert_ids():
         assert time.monotonic() < deadline, "the watchdog stopped logging bad expert ids"
         time.sleep(0.05)
 
