@@ -1,6 +1,7 @@
 """The end-to-end comparison tool (tools/e2e) on synthetic client outputs."""
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,36 @@ def test_e2e_models_have_the_layer_the_benchmarks_time(model):
     assert (shape.hidden, shape.intermediate_size, shape.num_experts, shape.num_topk) == (
         defaults.hidden, defaults.intermediate_size, defaults.num_experts, defaults.topk)
     assert json.loads((folder / "config.json").read_text())["vocab_size"] == 32000
+
+
+def test_wait_healthy_waits_for_health_and_names_a_dead_server(tmp_path):
+    """tools/e2e/wait_healthy.py, which both serve scripts run: 0 once /health answers; non-zero,
+    saying so, when the server process is gone first."""
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    script = str(Path(__file__).resolve().parents[1] / "tools" / "e2e" / "wait_healthy.py")
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        ok = subprocess.run([sys.executable, script, str(server.server_port), "30", str(os.getpid())],
+                            capture_output=True, text=True, timeout=60)
+    finally:
+        server.shutdown()
+    assert ok.returncode == 0 and "healthy after" in ok.stdout
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = subprocess.run([sys.executable, script, "9", "30", str(gone.pid)], capture_output=True, text=True,
+                          timeout=60)
+    assert dead.returncode != 0 and "the server exited before it was healthy" in dead.stderr

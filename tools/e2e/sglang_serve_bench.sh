@@ -60,23 +60,7 @@ SERVER=$!
 stop() { kill "$SERVER" 2> /dev/null; wait "$SERVER" 2> /dev/null; }
 trap stop EXIT
 
-"$PY" - "$PORT" "${HEALTH_TIMEOUT:-600}" "$SERVER" << 'PY' || { tail -40 "$RESULTS_DIR/serve_$TAG.log"; exit 3; }
-import os, sys, time, urllib.request
-port, timeout, pid = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-start = time.time()
-while time.time() - start < timeout:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        sys.exit("the server exited before it was healthy")
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-        print(f"healthy after {time.time() - start:.0f} s")
-        sys.exit(0)
-    except OSError:
-        time.sleep(2)
-sys.exit(f"not healthy after {timeout:.0f} s")
-PY
+"$PY" "$HERE/wait_healthy.py" "$PORT" "${HEALTH_TIMEOUT:-600}" "$SERVER" || { tail -40 "$RESULTS_DIR/serve_$TAG.log"; exit 3; }
 
 log "benchmark ${BENCH_ARGS:-}"
 "$PY" -m sglang.benchmark.serving --backend sglang --host 127.0.0.1 --port "$PORT" \
