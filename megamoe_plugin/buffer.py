@@ -319,7 +319,9 @@ class SymmBuffer:
         zeroes what the previous one still counts, and staging overwrites the inputs a call reads.
         Eager work issued on another stream than the buffer's previous work waits (an event) for
         all that stream has issued so far, so two streams or threads that share a buffer use it
-        one after another. Not for graph capture: replays run in the replaying streams' order."""
+        one after another. Nothing inside graph capture: replays run in the replaying streams' order."""
+        if torch.cuda.is_current_stream_capturing():
+            return
         stream = torch.cuda.current_stream(self.device)
         if self._last_stream is not None and self._last_stream != stream:
             event = torch.cuda.Event()
@@ -362,6 +364,15 @@ _buffer_keys = itertools.count()
 _live_buffers: "weakref.WeakValueDictionary[int, SymmBuffer]" = weakref.WeakValueDictionary()
 # Strong: a buffer that a CUDA graph captured calls on, whose replays need its memory (SymmBuffer.mark_captured).
 _captured_buffers: Dict[int, SymmBuffer] = {}
+
+
+def check_open_buffer(buf) -> None:
+    """`buf` as a call or its staging takes it: a SymmBuffer (else TypeError) that is not closed
+    (else ValueError)."""
+    if not isinstance(buf, SymmBuffer):
+        raise TypeError(f"buf must be a SymmBuffer from get_symm_buffer, got {type(buf).__name__}")
+    if buf.closed:
+        raise ValueError("buf was closed (SymmBuffer.close); allocate a new one")
 
 
 def buffer_of(key: int) -> SymmBuffer:

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from . import ops
-from .buffer import SymmBuffer, buffer_of
+from .buffer import SymmBuffer, buffer_of, check_open_buffer
 from .weights import unpack_pair
 
 OP_NAME = "megamoe::fp8_mega_moe"
@@ -65,10 +65,7 @@ def fp8_mega_moe(y: torch.Tensor, l1, l2, buf: SymmBuffer, activation_clamp: Opt
                  fast_math: bool = True, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                  config_num_tokens: Optional[int] = None, numerics: Optional[str] = None) -> torch.Tensor:
     """megamoe_plugin.fp8_mega_moe (same arguments, same result) through the registered op."""
-    if not isinstance(buf, SymmBuffer):
-        raise TypeError(f"buf must be a SymmBuffer from get_symm_buffer, got {type(buf).__name__}")
-    if buf.closed:
-        raise ValueError("buf was closed (SymmBuffer.close); allocate a new one")
+    check_open_buffer(buf)
     (w13, w13_scale), (w2, w2_scale) = unpack_pair(l1, "l1"), unpack_pair(l2, "l2")
     torch.ops.megamoe.fp8_mega_moe(y, w13, w13_scale, w2, w2_scale, buf.storage, buf.key, activation_clamp,
                                    fast_math, cumulative_local_expert_recv_stats, config_num_tokens, numerics)

@@ -127,7 +127,7 @@ def _kernel_handle(device: torch.device, variant: KernelVariant) -> int:
         compiled = compile_variant(variant, verbose=True)
         with torch.cuda.device(device):
             handle = native.runtime().load_kernel(str(compiled.cubin), KERNEL_NAME, compiled.smem_bytes,
-                                            WINDOW_KERNEL_NAME if variant.windowed else "")
+                                                  WINDOW_KERNEL_NAME if variant.windowed else "")
         _kernels[key] = handle
         reports.name_kernel(handle, variant.name())
         reports.watchdog.start()  # before the first launch of any kernel
@@ -295,10 +295,11 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     goes: the call runs its variant built with per-tile clock records, which it writes there."""
     try:
         validation.validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats,
-                      config_num_tokens)
+                                 config_num_tokens)
         numerics = validation.resolve_numerics(numerics)
         if _timeline is not None:
-            validation.check_tensor(_timeline, "_timeline (ops.timeline_for)", torch.int64, _timeline_shape(buf), buf.device)
+            validation.check_tensor(_timeline, "_timeline (ops.timeline_for)", torch.int64, _timeline_shape(buf),
+                                    buf.device)
     except (TypeError, ValueError):
         _refuse_call(buf)
         raise
@@ -313,8 +314,7 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     tag = reports.call_tag(_layer_ordinal(buf, tuple(l1), tuple(l2)), numerics, fast_math)
     if torch.cuda.is_current_stream_capturing():
         buf.mark_captured()
-    else:
-        buf.order_after_last_use()
+    buf.order_after_last_use()
     stats = cumulative_local_expert_recv_stats
     _launch(buf, kernel, params, tag, y.data_ptr(), num_tokens, 0 if stats is None else stats.data_ptr(),
             math.inf if activation_clamp is None else float(activation_clamp), _stop_after_phase,
@@ -330,8 +330,8 @@ def _launch(buf: SymmBuffer, kernel: int, params: int, tag: int, y_ptr: int, num
             activation_clamp: float, stop_after_phase: int, timeline_ptr: int, window_launches: int) -> None:
     try:
         native.runtime().launch(kernel, params, y_ptr, num_tokens, stats_ptr, activation_clamp, _grid_size(buf),
-                          NUM_THREADS, torch.cuda.current_stream(buf.device).cuda_stream, tag, stop_after_phase,
-                          timeline_ptr, window_launches)
+                                NUM_THREADS, torch.cuda.current_stream(buf.device).cuda_stream, tag, stop_after_phase,
+                                timeline_ptr, window_launches)
     except RuntimeError as exc:  # the runtime refuses to launch after a kernel failed: say which wait
         reason = reports.kernel_error()
         if reason is not None:

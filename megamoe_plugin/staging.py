@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from .buffer import SymmBuffer
+from .buffer import check_open_buffer
 from .fp8 import FP8_MAX, SCALE_EPS, quantize_per_token_group
 
 GROUP_SIZE = 128
@@ -48,10 +48,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def _check(buf, hidden_states, topk_idx, topk_weights) -> int:
-    if not isinstance(buf, SymmBuffer):
-        raise TypeError(f"buf must be a SymmBuffer from get_symm_buffer, got {type(buf).__name__}")
-    if buf.closed:
-        raise ValueError("buf was closed (SymmBuffer.close); allocate a new one")
+    check_open_buffer(buf)
     for name, value in (("hidden_states", hidden_states), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -99,8 +96,7 @@ def stage_inputs(buf, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_
     if n == 0:
         return 0
     if buf.device.type == "cuda":
-        if not torch.cuda.is_current_stream_capturing():
-            buf.order_after_last_use()
+        buf.order_after_last_use()
         _stage_triton(buf, hidden_states, topk_idx, topk_weights, n)
     else:
         _stage_torch(buf, hidden_states, topk_idx, topk_weights, n)

@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import settings
-from .buffer import SymmBuffer
+from .buffer import check_open_buffer
 from .weights import unpack_pair
 
 
@@ -47,10 +47,7 @@ def resolve_numerics(numerics: Optional[str]) -> str:
 def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats,
                   config_num_tokens=None) -> None:
     """Every check of a call, before anything is launched (docs/design.md section 3)."""
-    if not isinstance(buf, SymmBuffer):
-        raise TypeError(f"buf must be a SymmBuffer from get_symm_buffer, got {type(buf).__name__}")
-    if buf.closed:
-        raise ValueError("buf was closed (SymmBuffer.close); allocate a new one")
+    check_open_buffer(buf)
     s, dev = buf.shape, buf.device
     el, h, i = s.num_local_experts, s.hidden, s.intermediate_size
     if not isinstance(y, torch.Tensor):
