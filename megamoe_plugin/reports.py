@@ -5,6 +5,8 @@ synchronize() and raise_input_errors(), and logged by `watchdog` when nobody wai
 """
 from __future__ import annotations
 
+import threading
+import time
 from typing import Dict, Optional
 
 import torch
@@ -120,14 +122,41 @@ watchdog = Watchdog(lambda: native.runtime().read_error_word(), lambda: native.r
                     describe_error, describe_bad_expert_ids)
 
 
+# How often synchronize() reads the error word while the device works, and how long after a kernel
+# reported a failure it waits for the driver to end that kernel before raising the kernel's report.
+_POLL_S = 0.01
+_FAULT_GRACE_S = 1.0
+
+
 def synchronize() -> None:
-    """torch.cuda.synchronize(), turning a kernel timeout into a RuntimeError that names the
-    wait, and invalid input a kernel met into a ValueError (raise_input_errors)."""
-    try:
-        torch.cuda.synchronize()
-    except Exception as exc:  # torch raises RuntimeError or its AcceleratorError
+    """torch.cuda.synchronize(), turning a kernel timeout or call check into a RuntimeError that names
+    the wait, and invalid input a kernel met into a ValueError (raise_input_errors).
+
+    The device wait runs in a helper thread while this one watches the error word: a kernel that
+    reported a failure and trapped raises its report within _FAULT_GRACE_S even where the driver is
+    slow to end it (with several processes on one GPU, a trap can stay undelivered for as long as
+    another process's faulted context lives), instead of blocking the caller on the lost context."""
+    device, waited = torch.cuda.current_device(), []
+
+    def wait() -> None:
+        try:
+            torch.cuda.synchronize(device)
+            waited.append(None)
+        except Exception as exc:  # torch raises RuntimeError or its AcceleratorError
+            waited.append(exc)
+
+    waiter = threading.Thread(target=wait, name="megamoe-synchronize", daemon=True)
+    waiter.start()
+    failed_at = None
+    while waiter.is_alive():
+        waiter.join(_POLL_S)
+        if failed_at is None and native.runtime().read_error_word():
+            failed_at = time.monotonic()
+        if waiter.is_alive() and failed_at is not None and time.monotonic() - failed_at > _FAULT_GRACE_S:
+            raise RuntimeError(kernel_error())
+    if waited[0] is not None:
         reason = kernel_error()
         if reason is not None:
-            raise RuntimeError(reason) from exc
-        raise
+            raise RuntimeError(reason) from waited[0]
+        raise waited[0]
     raise_input_errors()

@@ -7,6 +7,7 @@ synchronize."""
 import contextlib
 import gc
 import logging
+import threading
 import time
 import types
 
@@ -311,6 +312,58 @@ def test_watchdog_starts_with_the_first_kernel_and_logs_a_failure_once(fake, cap
     failures = [r for r in caplog.records if "timed out" in r.getMessage()]
     assert len(failures) == 1 and failures[0].levelno == logging.ERROR and failures[0].name == "megamoe_plugin"
     assert "rank 0, kernel h256" in failures[0].getMessage()
+
+
+@pytest.fixture
+def device_wait(monkeypatch):
+    """torch.cuda.synchronize on the CPU: it returns once `done` is set, raising `error` if one is given."""
+    state = types.SimpleNamespace(done=threading.Event(), error=None)
+
+    def synchronize(device=None):
+        state.done.wait()
+        if state.error is not None:
+            raise state.error
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return state
+
+
+def test_synchronize_raises_a_failed_kernels_report_while_the_driver_still_holds_it(fake, device_wait):
+    buf, layer = _buffer(num_ranks=2), _layer(0)
+    ops.warmup(buf, layer.l1, layer.l2, [8])
+    tag = ops._kernels[(None, ops.select_variant(buf, 8, True))]
+    threading.Timer(0.2, lambda: setattr(fake.runtime, "error_word", 17 | 1 << 8 | tag << 16)).start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 never arrived.*rank 1, kernel h256"):
+        mm.ops.synchronize()  # the device wait never ends: the kernel's own report is raised
+    assert 0.2 + reports._FAULT_GRACE_S <= time.monotonic() - start < 0.2 + reports._FAULT_GRACE_S + 1.0
+    device_wait.done.set()
+
+
+def test_synchronize_turns_the_drivers_error_into_the_kernels_report(fake, device_wait):
+    buf, layer = _buffer(num_ranks=2), _layer(0)
+    ops.warmup(buf, layer.l1, layer.l2, [8])
+    tag = ops._kernels[(None, ops.select_variant(buf, 8, True))]
+    fake.runtime.error_word = 18 | 0 << 8 | tag << 16
+    device_wait.error = RuntimeError("CUDA error: unspecified launch failure")
+    device_wait.done.set()
+    with pytest.raises(RuntimeError, match="rank 2 never arrived.*rank 0, kernel h256") as raised:
+        mm.ops.synchronize()
+    assert "unspecified launch failure" in str(raised.value.__cause__)
+
+
+def test_synchronize_passes_other_errors_and_raises_bad_ids_after_a_clean_wait(fake, device_wait):
+    device_wait.error = RuntimeError("CUDA error: out of memory")
+    device_wait.done.set()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        mm.ops.synchronize()
+    device_wait.error = None
+    mm.ops.synchronize()
+    fake.runtime.bad_expert_ids = 3
+    with pytest.raises(ValueError, match="megamoe: 3 topk_idx entries"):
+        mm.ops.synchronize()
+    mm.ops.synchronize()  # reported once
 
 
 def test_watchdog_logs_each_new_count_of_bad_expert_ids(fake, caplog):
