@@ -62,7 +62,10 @@ def _describe_mismatch(rank: int, detail: int) -> str:
     else:
         differs = [what for what, bit in (("the layer", abi.kCallTagLayerMask), ("the numerics mode", abi.kCallTagExact),
                                           ("fast_math", abi.kCallTagFastMath)) if (own ^ other) & bit]
-    return (f": the ranks' calls of the same number differ in {' and '.join(differs)}: rank {rank} made "
+    # A rank never finds itself out of step, so a detail naming the error word's own rank as the peer
+    # was stored by another rank: ranks side by side in one process share these host words.
+    reporter = f"rank {rank}" if peer != rank else "another rank (ranks in this process share the report)"
+    return (f": the ranks' calls of the same number differ in {' and '.join(differs)}: {reporter} made "
             f"{describe_call_tag(own)}; rank {peer} made {describe_call_tag(other)}. The ranks' calls are out of "
             "step (a rank skipped a call, made an extra one, or called another layer or mode), so every rank "
             "stopped instead of mixing them")

@@ -292,6 +292,17 @@ def test_describe_error_names_both_ranks_of_a_call_mismatch(fake, own, other, di
     assert f"differ in {differs}: rank 1 made " in message and made in message
 
 
+def test_a_mismatch_stored_by_another_rank_of_the_process_names_only_the_peer(fake):
+    """Side-by-side ranks share the host words: the error word may be rank 1's and the detail
+    rank 2's, naming rank 1 as its peer. The report then does not call rank 1 the maker of the
+    other call."""
+    own, other = reports.call_tag(6, "fast", True), reports.call_tag(5, "fast", True)
+    fake.runtime.error_detail = 8 | 1 << 8 | own << 16 | other << 40
+    message = reports.describe_error(8 | 1 << 8)
+    assert "differ in the layer: another rank (ranks in this process share the report) made layer 6" in message
+    assert "; rank 1 made layer 5" in message
+
+
 def _wait_for(records, predicate, timeout_s=2.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
