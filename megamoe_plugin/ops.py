@@ -94,16 +94,24 @@ def _grid_size(buf: SymmBuffer) -> int:
 
 # (device index, variant) -> kernel handle (loaded modules live as long as the process).
 _kernels: Dict[Tuple[int, KernelVariant], int] = {}
-# id(buffer) -> {(rank, peer pointers, shape, weight pointers, block_m): params handle}. A
-# buffer's entries are freed, device memory included, when it is closed or collected
-# (SymmBuffer.on_close), so a later buffer that gets the same id never finds them; so are the next two.
-_params: Dict[int, Dict[Tuple, int]] = {}
-# id(buffer) -> {weight pointers: the layer's ordinal}, in the order the buffer met them (warmup's
-# layers, then calls): the layer part of a call's tag (call_tag), equal on every rank that meets its
-# layers in the same order.
-_layer_ordinals: Dict[int, Dict[Tuple[int, int, int, int], int]] = {}
-# id(buffer) -> (kernel, params) of its latest launch: what a refused call launches (_refuse_call).
-_latest_launch: Dict[int, Tuple[int, int]] = {}
+
+
+@dataclasses.dataclass
+class _BufferLaunches:
+    """What the op layer keeps for one buffer, freed with it (SymmBuffer.on_close: device memory
+    included, and before a later buffer can get the same id)."""
+    # (rank, peer pointers, shape, weight pointers, block_m) -> kernel params handle.
+    params: Dict[Tuple, int] = dataclasses.field(default_factory=dict)
+    # Weight pointers -> the layer's ordinal, in the order the buffer met them (warmup's layers, then
+    # calls): the layer part of a call's tag (reports.call_tag), equal on every rank that meets its
+    # layers in the same order.
+    layer_ordinals: Dict[Tuple[int, int, int, int], int] = dataclasses.field(default_factory=dict)
+    # (kernel, params) of the latest launch: what a refused call launches (_refuse_call).
+    latest_launch: Optional[Tuple[int, int]] = None
+
+
+# id(buffer) -> its _BufferLaunches.
+_launches: Dict[int, _BufferLaunches] = {}
 # Kernel params a buffer may hold (one per layer and tier; a 94-layer model with every tier needs
 # 470): past it, weights are being re-allocated between calls, which would grow device memory
 # without bound (weight reloading, as RL does, is not supported on a buffer).
@@ -134,17 +142,23 @@ def _kernel_handle(device: torch.device, variant: KernelVariant) -> int:
     return handle
 
 
+def _launches_of(buf: SymmBuffer) -> _BufferLaunches:
+    launches = _launches.get(id(buf))
+    if launches is None:
+        launches = _launches[id(buf)] = _BufferLaunches()
+        buf.on_close(functools.partial(_forget_buffer, id(buf)))
+    return launches
+
+
 def _params_handle(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, block_m: int) -> int:
     key = (buf.rank, buf.peer_ptrs, buf.shape, l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(),
            l2[1].data_ptr(), block_m)
-    per_buffer = _params.get(id(buf))
-    handle = None if per_buffer is None else per_buffer.get(key)
+    launches = _launches.get(id(buf))
+    handle = None if launches is None else launches.params.get(key)
     if handle is None:
         _refuse_in_capture("build kernel parameters (TMA descriptors in device memory) for these weights")
-        if per_buffer is None:
-            per_buffer = _params[id(buf)] = {}
-            buf.on_close(functools.partial(_forget_buffer, id(buf)))
-        if len(per_buffer) >= MAX_PARAMS_PER_BUFFER:
+        params = _launches_of(buf).params
+        if len(params) >= MAX_PARAMS_PER_BUFFER:
             raise RuntimeError(f"megamoe: the buffer already holds kernel params for {MAX_PARAMS_PER_BUFFER} (layer, "
                                "tier) pairs; new weight tensors keep coming (weights re-allocated between calls?). "
                                "Reloading weights on a buffer is not supported: make a new buffer after a reload")
@@ -154,21 +168,18 @@ def _params_handle(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, block_m: int
                 list(buf.peer_ptrs), buf.rank, buf.layout.offsets(), s.pool_capacity, s.hidden, s.intermediate_size,
                 s.num_local_experts, block_m, l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(),
                 l2[1].data_ptr(), settings.timeout_s())
-        per_buffer[key] = handle
+        params[key] = handle
     return handle
 
 
 def _forget_buffer(buffer_id: int) -> None:
-    _layer_ordinals.pop(buffer_id, None)
-    _latest_launch.pop(buffer_id, None)
-    for handle in _params.pop(buffer_id, {}).values():
+    for handle in _launches.pop(buffer_id, _BufferLaunches()).params.values():
         native.runtime().free_params(handle)
 
 
 def _layer_ordinal(buf: SymmBuffer, l1: WeightPair, l2: WeightPair) -> int:
-    """The layer's ordinal on this buffer (_layer_ordinals). Only after _params_handle, which
-    registers the buffer's clean-up."""
-    ordinals = _layer_ordinals.setdefault(id(buf), {})
+    """The layer's ordinal on this buffer (_BufferLaunches.layer_ordinals)."""
+    ordinals = _launches_of(buf).layer_ordinals
     return ordinals.setdefault((l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(), l2[1].data_ptr()),
                                len(ordinals))
 
@@ -320,7 +331,7 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
             math.inf if activation_clamp is None else float(activation_clamp), _stop_after_phase,
             0 if _timeline is None else _timeline.data_ptr(),
             buf.shape.window_kernel_launches(variant.block_m) if variant.windowed else 0)
-    _latest_launch[id(buf)] = (kernel, params)
+    _launches_of(buf).latest_launch = (kernel, params)
     # After the launch: the call has taken part, so no rank skips a call its peers make.
     reports.raise_input_errors()
     return y
@@ -346,10 +357,11 @@ def _refuse_call(buf) -> None:
     rank's next call with the peers' current one for the rest of the run. It launches the buffer's
     latest kernel and params with no tokens; where the buffer has launched nothing yet, or inside
     graph capture, it launches nothing and the peers' timeout names this rank."""
-    if (not isinstance(buf, SymmBuffer) or buf.closed or buf.shape.num_ranks == 1
-            or torch.cuda.is_current_stream_capturing() or id(buf) not in _latest_launch):
+    launches = _launches.get(id(buf)) if isinstance(buf, SymmBuffer) else None
+    if (launches is None or launches.latest_launch is None or buf.closed or buf.shape.num_ranks == 1
+            or torch.cuda.is_current_stream_capturing()):
         return
-    kernel, params = _latest_launch[id(buf)]
+    kernel, params = launches.latest_launch
     try:
         _launch(buf, kernel, params, reports.call_tag(0, "fast", False, refused=True), 0, 0, 0, math.inf, 0, 0, 0)
     except RuntimeError:

@@ -89,7 +89,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(ops, "compile_variant", lambda variant, verbose=False: compiled(variant))
     monkeypatch.setattr(ops, "compile_variants", lambda variants, on_done=None: [compiled(v) for v in variants])
     monkeypatch.setattr(ops, "_kernels", {})
-    monkeypatch.setattr(ops, "_params", {})
+    monkeypatch.setattr(ops, "_launches", {})
     monkeypatch.setattr(ops, "_variants", {})
     monkeypatch.setattr(reports, "_bad_expert_ids_raised", 0)
     monkeypatch.setattr(reports, "_kernel_names", {})
@@ -186,9 +186,9 @@ def test_close_frees_the_params_and_refuses_calls(fake):
     buf, layer = _buffer(), _layer(0)
     ops.warmup(buf, layer.l1, layer.l2, COUNTS)
     handles = set(fake.runtime.params)
-    assert handles and id(buf) in ops._params
+    assert handles and id(buf) in ops._launches
     buf.close()
-    assert set(fake.runtime.freed) == handles and not fake.runtime.params and id(buf) not in ops._params
+    assert set(fake.runtime.freed) == handles and not fake.runtime.params and id(buf) not in ops._launches
     buf.close()  # again: nothing left to free
     assert len(fake.runtime.freed) == len(handles)
     with pytest.raises(ValueError, match="buf was closed"):
@@ -201,7 +201,7 @@ def test_a_collected_buffer_frees_its_params(fake):
     buffer_id = id(buf)
     del buf
     gc.collect()
-    assert len(fake.runtime.freed) == 1 and not fake.runtime.params and buffer_id not in ops._params
+    assert len(fake.runtime.freed) == 1 and not fake.runtime.params and buffer_id not in ops._launches
 
 
 @pytest.fixture

@@ -78,9 +78,9 @@ def test_close_frees_the_params_and_a_new_buffer_works():
     fill_buffer(buf, inputs)
     mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
     mm.ops.synchronize()
-    handles = list(mm.ops._params[id(buf)].values())
+    handles = list(mm.ops._launches[id(buf)].params.values())
     buf.close()
-    assert id(buf) not in mm.ops._params
+    assert id(buf) not in mm.ops._launches
     for handle in handles:  # the runtime has freed them: a second free is refused by name
         with pytest.raises(ValueError, match="already freed params handle"):
             mm.native.runtime().free_params(handle)
