@@ -130,9 +130,44 @@ def _validate(ranks, weights, num_experts, activation_clamp, requant_group) -> T
     return hidden, intermediate, topk
 
 
+def _after_l1(l1_out: torch.Tensor, routing_weight: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+              activation_clamp: Optional[float], requant_group: int):
+    """Steps 2-5 of one expert's rows from their L1 output [n, 2I] (gate columns, then up): the
+    clamped SwiGLU times each row's routing weight, its requantization and the L2 output before the
+    bf16 rounding. Returns (act, act_q, act_sf, l2_out)."""
+    intermediate = l1_out.shape[1] // 2
+    gate, up = l1_out[:, :intermediate], l1_out[:, intermediate:]
+    if activation_clamp is not None:
+        gate = gate.clamp(max=activation_clamp)
+        up = up.clamp(-activation_clamp, activation_clamp)
+    act = F.silu(gate) * up * routing_weight.unsqueeze(1)
+    act_q, act_sf = requantize_groups(act, requant_group)
+    l2_out = _matmul_nt(dequantize_per_token_group(act_q, act_sf, requant_group), dequantize_weight_blocks(w2, w2_scale))
+    return act, act_q, act_sf, l2_out
+
+
+def _validate_shared(shared, shared_scale, hidden: int, device: torch.device) -> None:
+    """Check the shared experts (replicated weights, checkpoint layout; their own intermediate size)
+    and their routing weight."""
+    if shared is None:
+        return
+    _require_keys(shared, _WEIGHT_KEYS, "shared")
+    _, shared_hidden, _ = validate_checkpoint_weights(*(shared[key] for key in _WEIGHT_KEYS),
+                                                                        where="shared")
+    if shared_hidden != hidden:
+        raise ValueError(f"shared['w13'] has H={shared_hidden}, the routed experts H={hidden}: they must be equal")
+    for key in _WEIGHT_KEYS:
+        if shared[key].device != device:
+            raise ValueError(f"shared[{key!r}] is on {shared[key].device} but weights[0]['w13'] is on {device}")
+    if not (isinstance(shared_scale, numbers.Real) and not isinstance(shared_scale, bool)
+            and math.isfinite(shared_scale)):
+        raise ValueError(f"shared_scale must be a finite number, got {shared_scale!r}")
+
+
 def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[str, torch.Tensor]],
              num_experts: int, activation_clamp: Optional[float] = None, requant_group: int = 128,
-             return_intermediates: bool = False, l1_gemm: Optional[Callable] = None):
+             return_intermediates: bool = False, l1_gemm: Optional[Callable] = None,
+             shared: Optional[Mapping[str, torch.Tensor]] = None, shared_scale: float = 1.0):
     """Float32 reference of docs/design.md section 2 for R = len(ranks) ranks in one process.
 
     ranks[r]:   {x fp8 [T_r, H], x_sf f32 [T_r, H/128], topk_idx i64 [T_r, K] in [-1, E),
@@ -140,6 +175,11 @@ def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[st
     weights[r]: {w13 fp8 [E/R, 2I, H], w13_scale f32 [E/R, 2I/128, H/128],
                  w2 fp8 [E/R, H, I], w2_scale f32 [E/R, H/128, I/128]} (checkpoint layout)
     Global expert e lives on rank e // (E/R) as local expert e % (E/R).
+    shared:     the model's shared experts, replicated on every rank (docs/design.md section 2,
+                "Shared experts"): {w13 fp8 [S, 2Is, H], w13_scale f32 [S, 2Is/128, H/128],
+                w2 fp8 [S, H, Is], w2_scale f32 [S, H/128, Is/128]}. Every token passes through
+                each of them with routing weight `shared_scale`; their outputs are summed after
+                the routed slots.
 
     l1_gemm, if given, replaces step 1's exact GEMM: l1_gemm(x, x_sf, w13, w13_scale) ->
     float32 [rows, 2I] from the FP8 operands of one expert (used to judge a kernel against
@@ -157,6 +197,7 @@ def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[st
     hidden, intermediate, topk = _validate(ranks, weights, num_experts, activation_clamp, requant_group)
     num_local_experts = num_experts // len(ranks)
     device = weights[0]["w13"].device
+    _validate_shared(shared, shared_scale, hidden, device)
     tokens_per_rank = [inputs["x"].shape[0] for inputs in ranks]
 
     # All ranks' tokens stacked rank-major; entry t * K + k is slot k of stacked token t.
@@ -189,14 +230,8 @@ def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[st
             l1_out = _matmul_nt(a[tokens], dequantize_weight_blocks(w["w13"][local], w["w13_scale"][local]))
         else:
             l1_out = l1_gemm(x_all[tokens], x_sf_all[tokens], w["w13"][local], w["w13_scale"][local])
-        gate, up = l1_out[:, :intermediate], l1_out[:, intermediate:]
-        if activation_clamp is not None:
-            gate = gate.clamp(max=activation_clamp)
-            up = up.clamp(-activation_clamp, activation_clamp)
-        act = F.silu(gate) * up * entry_weight[entries].unsqueeze(1)
-        act_q, act_sf = requantize_groups(act, requant_group)
-        l2_out = _matmul_nt(dequantize_per_token_group(act_q, act_sf, requant_group),
-                            dequantize_weight_blocks(w["w2"][local], w["w2_scale"][local]))
+        act, act_q, act_sf, l2_out = _after_l1(l1_out, entry_weight[entries], w["w2"][local], w["w2_scale"][local],
+                                               activation_clamp, requant_group)
         expert_out[entries] = l2_out.to(torch.bfloat16)
 
         if return_intermediates:
@@ -208,6 +243,15 @@ def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[st
     combined = torch.zeros(a.shape[0], hidden, dtype=torch.float32, device=device)
     for k in range(topk):
         combined += slot_out[:, k].float()
+    for e in range(0 if shared is None else shared["w13"].shape[0]):
+        if l1_gemm is None:
+            l1_out = _matmul_nt(a, dequantize_weight_blocks(shared["w13"][e], shared["w13_scale"][e]))
+        else:
+            l1_out = l1_gemm(x_all, x_sf_all, shared["w13"][e], shared["w13_scale"][e])
+        routing_weight = torch.full((a.shape[0],), float(shared_scale), dtype=torch.float32, device=device)
+        l2_out = _after_l1(l1_out, routing_weight, shared["w2"][e], shared["w2_scale"][e], activation_clamp,
+                           requant_group)[3]
+        combined += l2_out.to(torch.bfloat16).float()
     ys = list(combined.to(torch.bfloat16).split(tokens_per_rank))
     return (ys, intermediates) if return_intermediates else ys
 
