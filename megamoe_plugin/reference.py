@@ -27,8 +27,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .fp8 import FP8_DTYPE, dequantize_per_token_group, dequantize_weight_blocks, requantize_groups
-from .weights import validate_checkpoint_weights
+from .fp8 import FP8_DTYPE, dequantize_per_token_group, requantize_groups
+from .weights import dequantize_weight, validate_checkpoint_weights, weight_format
 
 INPUT_GROUP = 128
 SUPPORTED_REQUANT_GROUPS = (64, 128)
@@ -93,6 +93,9 @@ def _validate(ranks, weights, num_experts, activation_clamp, requant_group) -> T
         shapes.add((hidden, intermediate))
     if len(shapes) != 1:
         raise ValueError(f"weights of all ranks must have the same (H, I), got {sorted(shapes)}")
+    formats = [weight_format(w["w13"]) for w in weights]
+    if len(set(formats)) != 1:
+        raise ValueError(f"weights of all ranks must have one format, got {formats} by rank")
     # I % 128 == 0 (checked above) makes every supported requant_group divide I.
     hidden, intermediate = shapes.pop()
 
@@ -142,7 +145,7 @@ def _after_l1(l1_out: torch.Tensor, routing_weight: torch.Tensor, w2: torch.Tens
         up = up.clamp(-activation_clamp, activation_clamp)
     act = F.silu(gate) * up * routing_weight.unsqueeze(1)
     act_q, act_sf = requantize_groups(act, requant_group)
-    l2_out = _matmul_nt(dequantize_per_token_group(act_q, act_sf, requant_group), dequantize_weight_blocks(w2, w2_scale))
+    l2_out = _matmul_nt(dequantize_per_token_group(act_q, act_sf, requant_group), dequantize_weight(w2, w2_scale))
     return act, act_q, act_sf, l2_out
 
 
@@ -173,7 +176,8 @@ def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[st
     ranks[r]:   {x fp8 [T_r, H], x_sf f32 [T_r, H/128], topk_idx i64 [T_r, K] in [-1, E),
                  topk_weights f32 [T_r, K]}
     weights[r]: {w13 fp8 [E/R, 2I, H], w13_scale f32 [E/R, 2I/128, H/128],
-                 w2 fp8 [E/R, H, I], w2_scale f32 [E/R, H/128, I/128]} (checkpoint layout)
+                 w2 fp8 [E/R, H, I], w2_scale f32 [E/R, H/128, I/128]} (checkpoint layout),
+                or MXFP4 in the same keys (megamoe_plugin.weights), one format on every rank
     Global expert e lives on rank e // (E/R) as local expert e % (E/R).
     shared:     the model's shared experts, replicated on every rank (docs/design.md section 2,
                 "Shared experts"): {w13 fp8 [S, 2Is, H], w13_scale f32 [S, 2Is/128, H/128],
@@ -227,7 +231,7 @@ def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[st
         tokens = entries // topk
 
         if l1_gemm is None:
-            l1_out = _matmul_nt(a[tokens], dequantize_weight_blocks(w["w13"][local], w["w13_scale"][local]))
+            l1_out = _matmul_nt(a[tokens], dequantize_weight(w["w13"][local], w["w13_scale"][local]))
         else:
             l1_out = l1_gemm(x_all[tokens], x_sf_all[tokens], w["w13"][local], w["w13_scale"][local])
         act, act_q, act_sf, l2_out = _after_l1(l1_out, entry_weight[entries], w["w2"][local], w["w2_scale"][local],
@@ -245,7 +249,7 @@ def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[st
         combined += slot_out[:, k].float()
     for e in range(0 if shared is None else shared["w13"].shape[0]):
         if l1_gemm is None:
-            l1_out = _matmul_nt(a, dequantize_weight_blocks(shared["w13"][e], shared["w13_scale"][e]))
+            l1_out = _matmul_nt(a, dequantize_weight(shared["w13"][e], shared["w13_scale"][e]))
         else:
             l1_out = l1_gemm(x_all, x_sf_all, shared["w13"][e], shared["w13_scale"][e])
         routing_weight = torch.full((a.shape[0],), float(shared_scale), dtype=torch.float32, device=device)

@@ -5,6 +5,12 @@ Checkpoint layout (vLLM FP8 128x128 block quantization, docs/design.md section 2
     w13_scale float32       [E_l, 2I/128, H/128]
     w2        float8_e4m3fn [E_l, H, I]
     w2_scale  float32       [E_l, H/128, I/128]
+or MXFP4 (section 2, "FP4 experts"; megamoe_plugin.mxfp4), the rows the same:
+    w13       uint8 [E_l, 2I, H/2]   two E2M1 codes per byte
+    w13_scale E8M0  [E_l, 2I, H/32]  torch.float8_e8m0fnu, or uint8 holding its bits
+    w2        uint8 [E_l, H, I/2]
+    w2_scale  E8M0  [E_l, H, I/32]
+The reference takes both; the kernel, and so `transform_weights`, FP8 only so far.
 
 Kernel layout produced by `transform_weights` (a pure permutation, bit-exact):
     w13_t       [E_l, 2I, H]: gate and up rows interleaved in runs of 8. For j < I/8,
@@ -35,12 +41,27 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .fp8 import FP8_DTYPE
+from . import mxfp4
+from .fp8 import FP8_DTYPE, dequantize_weight_blocks
 
 BLOCK = 128
 GATE_UP_INTERLEAVE = 8
 
 WeightPair = Tuple[torch.Tensor, torch.Tensor]
+WEIGHT_FORMATS = ("fp8", "mxfp4")
+
+
+def weight_format(w: torch.Tensor) -> str:
+    """"mxfp4" for packed E2M1 codes (uint8), else "fp8"."""
+    return "mxfp4" if isinstance(w, torch.Tensor) and w.dtype == torch.uint8 else "fp8"
+
+
+def dequantize_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """One expert's checkpoint-layout weight [N, K] (FP8 with 128x128 block scales, or MXFP4 with
+    its packed [N, K/2] codes) as float32 [N, K], exactly."""
+    if weight_format(w) == "mxfp4":
+        return mxfp4.dequantize_mxfp4(w, scale)
+    return dequantize_weight_blocks(w, scale)
 
 
 def _arg_name(key: str, where: Optional[str]) -> str:
@@ -60,20 +81,31 @@ def _validate(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_s
     for key, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{names[key]} must be a torch.Tensor, got {type(tensor).__name__}")
+    packed = weight_format(w13) == "mxfp4"
+    if packed and transformed:
+        raise ValueError(f"{names['w13']} is MXFP4 (uint8 codes): the kernel takes FP8 expert weights "
+                         f"({FP8_DTYPE} with 128x128 float32 block scales) only so far")
     for key in ("w13", "w2"):
-        if tensors[key].dtype != FP8_DTYPE:
-            raise ValueError(f"{names[key]} must be {FP8_DTYPE}, got {tensors[key].dtype}")
+        if tensors[key].dtype != (torch.uint8 if packed else FP8_DTYPE):
+            raise ValueError(f"{names[key]} must be {torch.uint8 if packed else FP8_DTYPE}, got {tensors[key].dtype}"
+                             + (f" ({names['w13']} is MXFP4: w2 must be too)" if packed else ""))
     for key in ("w13_scale", "w2_scale"):
-        if tensors[key].dtype != torch.float32:
+        if packed:
+            mxfp4.scale_bits(tensors[key], names[key])
+        elif tensors[key].dtype != torch.float32:
             raise ValueError(f"{names[key]} must be torch.float32 (128x128 block scales), got {tensors[key].dtype}")
     for key, tensor in tensors.items():
         if tensor.device != w13.device:
             raise ValueError(f"{names[key]} is on {tensor.device} but {names['w13']} is on {w13.device}; "
                              "all weights must be on one device")
 
+    # Columns per stored element along K: MXFP4 packs two.
+    per_byte = 2 if packed else 1
+    w13_layout, w2_layout = ("[E_local, 2*I, H/2]", "[E_local, H, I/2]") if packed else ("[E_local, 2*I, H]",
+                                                                                      "[E_local, H, I]")
     if w13.dim() != 3:
-        raise ValueError(f"{names['w13']} must be 3-D [E_local, 2*I, H], got shape {tuple(w13.shape)}")
-    num_local_experts, rows, hidden = w13.shape
+        raise ValueError(f"{names['w13']} must be 3-D {w13_layout}, got shape {tuple(w13.shape)}")
+    num_local_experts, rows, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * per_byte
     if rows % 2 != 0:
         raise ValueError(f"{names['w13']}.shape[1]={rows} must be even (I gate rows then I up rows)")
     intermediate = rows // 2
@@ -81,16 +113,29 @@ def _validate(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_s
         raise ValueError(f"intermediate size I = {names['w13']}.shape[1] / 2 = {intermediate} "
                          f"must be a multiple of {BLOCK}")
     if hidden % BLOCK != 0:
-        raise ValueError(f"hidden size H = {names['w13']}.shape[2] = {hidden} must be a multiple of {BLOCK}")
+        raise ValueError(f"hidden size H = {names['w13']}.shape[2]{' * 2' if packed else ''} = {hidden} "
+                         f"must be a multiple of {BLOCK}")
     if w2.dim() != 3:
-        raise ValueError(f"{names['w2']} must be 3-D [E_local, H, I], got shape {tuple(w2.shape)}")
+        raise ValueError(f"{names['w2']} must be 3-D {w2_layout}, got shape {tuple(w2.shape)}")
     if w2.shape[0] != num_local_experts:
         raise ValueError(f"{names['w2']}.shape[0]={w2.shape[0]} must equal {names['w13']}.shape[0]="
                          f"{num_local_experts} (number of local experts)")
-    if tuple(w2.shape) != (num_local_experts, hidden, intermediate):
-        raise ValueError(f"{names['w2']} must have shape [E_local, H, I] = {(num_local_experts, hidden, intermediate)} "
+    w2_shape = (num_local_experts, hidden, intermediate // per_byte)
+    if tuple(w2.shape) != w2_shape:
+        raise ValueError(f"{names['w2']} must have shape {w2_layout} = {w2_shape} "
                          f"to match {names['w13']} of shape {tuple(w13.shape)}, got {tuple(w2.shape)}")
 
+    if packed:
+        group = mxfp4.MXFP4_GROUP
+        expected_scales = {
+            "w13_scale": ((num_local_experts, 2 * intermediate, hidden // group), f"[E_local, 2*I, H/{group}]"),
+            "w2_scale": ((num_local_experts, hidden, intermediate // group), f"[E_local, H, I/{group}]"),
+        }
+        for key, (expected, layout) in expected_scales.items():
+            if tuple(tensors[key].shape) != expected:
+                raise ValueError(f"{names[key]} must have shape {layout} = {expected}, got "
+                                 f"{tuple(tensors[key].shape)}: one E8M0 scale per {group} input elements")
+        return num_local_experts, hidden, intermediate
     if transformed:
         expected_w13_scale = (num_local_experts, intermediate // BLOCK, 2, hidden // BLOCK)
         w13_scale_layout = "[E_local, I/128, 2, H/128]"
@@ -127,6 +172,9 @@ def transform_weights(l1: WeightPair, l2: WeightPair) -> Tuple[WeightPair, Weigh
     w13, w13_scale = unpack_pair(l1, "l1")
     w2, w2_scale = unpack_pair(l2, "l2")
     num_local_experts, hidden, intermediate = _validate(w13, w13_scale, w2, w2_scale, transformed=False)
+    if weight_format(w13) == "mxfp4":
+        raise ValueError("l1 holds MXFP4 weights (uint8 codes): the kernel takes FP8 expert weights only so far, "
+                         "so transform_weights has no kernel layout for them")
     runs = intermediate // GATE_UP_INTERLEAVE
     # [E, (gate|up), run, 8, H] -> [E, run, (gate|up), 8, H]
     w13_t = (w13.reshape(num_local_experts, 2, runs, GATE_UP_INTERLEAVE, hidden)
