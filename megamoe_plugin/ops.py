@@ -23,8 +23,9 @@ import torch
 from . import native, reports, validation
 from .buffer import SymmBuffer
 from .heuristics import DEFAULT_NUMERICS
-from .jit import (NUM_THREADS, KERNEL_NAME, WINDOW_KERNEL_NAME, KernelMissingError, KernelVariant, compile_variant, compile_variants,
-                  missing_variants, variants_to_compile)
+from .jit import (KernelMissingError, compile_variant, compile_variants, missing_variants,
+                  variants_to_compile)
+from .kernel_variant import KERNEL_NAME, NUM_THREADS, WINDOW_KERNEL_NAME, KernelVariant
 from .jit.command import build_command
 from .progress import progress_bar
 from . import settings, timeline

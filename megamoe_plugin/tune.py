@@ -61,7 +61,8 @@ from .heuristics import (
     max_pipeline_stages,
     select_block_m,
 )
-from .jit import KernelVariant, compile_variants
+from .jit import compile_variants
+from .kernel_variant import KernelVariant
 from .progress import progress_bar
 
 # The shapes the sweep knows by name: docs/design.md section 8's reference configs and the

@@ -10,7 +10,7 @@ from typing import Iterable, List, Optional, Sequence
 
 from .buffer import BufferShape
 from .heuristics import NUMERICS_MODES
-from .jit import KernelVariant
+from .kernel_variant import KernelVariant
 from .model_config import MoEShape
 from .settings import forced_block_m, forced_num_stages
 

@@ -8,7 +8,7 @@ import sysconfig
 
 import pytest
 
-from megamoe_plugin import _abi, abi, buffer, heuristics, jit, timeline
+from megamoe_plugin import _abi, abi, buffer, heuristics, kernel_variant, timeline
 from megamoe_plugin.buffer import BufferLayout, BufferShape
 from megamoe_plugin.paths import CSRC_DIR, REPO_DIR
 
@@ -25,7 +25,7 @@ def test_every_constant_of_the_extension_is_bound_under_its_cpp_name():
 
 def test_the_python_modules_take_their_numbers_from_the_abi():
     assert (heuristics.BLOCK_N, heuristics.BLOCK_K, heuristics.SMEM_LIMIT) == (abi.kBlockN, abi.kBlockK, abi.kSmemLimit)
-    assert jit.NUM_THREADS == abi.kNumThreads
+    assert kernel_variant.NUM_THREADS == abi.kNumThreads
     assert buffer.SIGNAL_WORDS is abi.SIGNAL_WORDS and buffer.NUM_SIGNAL_WORDS == abi.kNumSignalWords
     assert buffer.SIGNAL_WORDS["rank_arrivals"] == abi.kSigRankArrivals
     assert buffer.SIGNAL_WORDS["l2_tiles_claimed"] == abi.kSigL2TilesClaimed

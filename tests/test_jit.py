@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from megamoe_plugin import jit
+from megamoe_plugin import jit, kernel_variant
+from megamoe_plugin.jit import check as jit_check
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                                 reason="nvcc not installed: the compile check runs where the CUDA toolkit is")
@@ -17,9 +18,9 @@ def test_reference_variants_compile_without_spills(tmp_path, monkeypatch, capsys
     # A temporary cache: every variant is compiled afresh, and the user's own cache
     # (~/.cache/megamoe_plugin, or their MEGAMOE_CACHE_DIR) is neither filled nor read.
     monkeypatch.setenv("MEGAMOE_CACHE_DIR", str(tmp_path))
-    variants = jit.reference_variants()
+    variants = jit_check.reference_variants()
     assert variants, "the heuristics picked no variant"
-    failures = jit.check_variants(variants)
+    failures = jit_check.check_variants(variants)
     out = capsys.readouterr().out
     print(out)
     assert failures == 0, out
@@ -31,7 +32,7 @@ def test_reference_variants_cover_every_tier_of_each_reference_shape():
     from megamoe_plugin.configs import REFERENCE_SHAPES
     from megamoe_plugin.heuristics import NUMERICS_MODES, implemented_block_m
 
-    variants = jit.reference_variants()
+    variants = jit_check.reference_variants()
     for shape in REFERENCE_SHAPES.values():
         for numerics in NUMERICS_MODES:
             tiers = {v.block_m for v in variants
@@ -41,8 +42,8 @@ def test_reference_variants_cover_every_tier_of_each_reference_shape():
 
 
 def test_cache_key_changes_with_variant():
-    a = jit.KernelVariant(4096, 2048, 6, 32, 1, 64, 5, True)
-    b = jit.KernelVariant(4096, 2048, 6, 32, 1, 64, 5, False)
+    a = kernel_variant.KernelVariant(4096, 2048, 6, 32, 1, 64, 5, True)
+    b = kernel_variant.KernelVariant(4096, 2048, 6, 32, 1, 64, 5, False)
     assert jit.cache_key(a) != jit.cache_key(b)
     assert jit.cache_key(a) == jit.cache_key(a)
 
@@ -50,8 +51,8 @@ def test_cache_key_changes_with_variant():
 def test_concurrent_compiles_of_one_variant_agree(tmp_path):
     """Several ranks compiling the same variant at once (a cold cache at start-up) all get
     the one cached cubin, and no temporary build folder is left behind."""
-    script = ("from megamoe_plugin import jit; "
-              "print(jit.compile_variant(jit.KernelVariant(384, 256, 2, 4, 1, 64, 2, True)).cubin)")
+    script = ("from megamoe_plugin import jit, kernel_variant; "
+              "print(jit.compile_variant(kernel_variant.KernelVariant(384, 256, 2, 4, 1, 64, 2, True)).cubin)")
     env = dict(os.environ, MEGAMOE_CACHE_DIR=str(tmp_path))
     procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for _ in range(3)]
@@ -69,7 +70,7 @@ def test_compile_variants_keeps_order_runs_at_once_and_returns_errors(monkeypatc
     import threading
     import time
 
-    variants = [jit.KernelVariant(384, 256, 2, 4, 1, bm, 2, True) for bm in (8, 16, 32, 64)]
+    variants = [kernel_variant.KernelVariant(384, 256, 2, 4, 1, bm, 2, True) for bm in (8, 16, 32, 64)]
     running, peak, lock = [0], [0], threading.Lock()
 
     def fake_compile(variant, verbose=False):
@@ -105,8 +106,8 @@ def test_parse_ptxas_flags_serialized_wgmma(code, reason):
              "ptxas info    : Used 168 registers, used 1 barriers\n")
     serialized = (f"ptxas info    : ({code}) Potential Performance Loss: wgmma.mma_async instructions are serialized "
                   f"due to {reason} in the function 'megamoe_fused_kernel'\n" + clean)
-    assert not jit.parse_ptxas(clean).wgmma_serialized
-    usage = jit.parse_ptxas(serialized)
+    assert not jit_check.parse_ptxas(clean).wgmma_serialized
+    usage = jit_check.parse_ptxas(serialized)
     assert usage.wgmma_serialized == code
     assert usage.wgmma_serialized and usage.registers == 168 and usage.spill_stores == 0
 
@@ -116,14 +117,14 @@ def test_parse_ptxas_reads_each_entry_of_a_windowed_variant():
     usage and serialization notes are its own, so the window kernel's spills (which the compile
     check shows but does not fail) never pass for the fused kernel's."""
     log = (f"ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
-           f"to insufficient register resources for the function '{jit.WINDOW_KERNEL_NAME}'\n"
-           f"ptxas info    : Compiling entry function '{jit.WINDOW_KERNEL_NAME}' for 'sm_90a'\n"
+           f"to insufficient register resources for the function '{kernel_variant.WINDOW_KERNEL_NAME}'\n"
+           f"ptxas info    : Compiling entry function '{kernel_variant.WINDOW_KERNEL_NAME}' for 'sm_90a'\n"
            "    392 bytes stack frame, 780 bytes spill stores, 788 bytes spill loads\n"
            "ptxas info    : Used 168 registers, used 3 barriers, 392 bytes cumulative stack size\n"
-           f"ptxas info    : Compiling entry function '{jit.KERNEL_NAME}' for 'sm_90a'\n"
+           f"ptxas info    : Compiling entry function '{kernel_variant.KERNEL_NAME}' for 'sm_90a'\n"
            "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
            "ptxas info    : Used 166 registers, used 3 barriers\n")
-    fused, window = jit.parse_ptxas(log), jit.parse_ptxas(log, jit.WINDOW_KERNEL_NAME)
+    fused, window = jit_check.parse_ptxas(log), jit_check.parse_ptxas(log, kernel_variant.WINDOW_KERNEL_NAME)
     assert (fused.registers, fused.spill_stores, fused.wgmma_serialized) == (166, 0, "")
     assert (window.registers, window.spill_stores, window.spill_loads, window.wgmma_serialized) == (168, 780, 788, "C7512")
 

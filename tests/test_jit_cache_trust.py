@@ -14,11 +14,11 @@ import time
 import pytest
 
 from kernel_stand_ins import compiles, fresh_toolchain, stand_in_toolchain  # noqa: F401
-from megamoe_plugin import jit
+from megamoe_plugin import jit, kernel_variant
 from megamoe_plugin.jit import cache, cli
 
-VARIANT = jit.KernelVariant(384, 256, 2, 4, 1, 8, 2, True)
-OTHER = jit.KernelVariant(384, 256, 2, 4, 1, 16, 2, True)
+VARIANT = kernel_variant.KernelVariant(384, 256, 2, 4, 1, 8, 2, True)
+OTHER = kernel_variant.KernelVariant(384, 256, 2, 4, 1, 16, 2, True)
 TINY_BUILD = ["--build", "--hidden", "384", "--intermediate-size", "256", "--num-experts", "4", "--topk", "2",
               "--batch-sizes", "1", "--numerics", "fast"]
 

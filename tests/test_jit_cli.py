@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from megamoe_plugin import jit
+from megamoe_plugin import jit, kernel_variant
+from megamoe_plugin.jit import check as jit_check
 
 PTXAS = "Compiling entry function '{name}' for 'sm_90a'\nptxas info    : Used 168 registers, 0 bytes stack frame, " \
         "{spill} bytes spill stores, 0 bytes spill loads"
 
 
 def test_check_prints_each_row_as_its_variant_finishes(monkeypatch, capsys):
-    variants = [jit.KernelVariant(384, 256, 2, 4, 1, bm, 2, True) for bm in (8, 16, 32)]
+    variants = [kernel_variant.KernelVariant(384, 256, 2, 4, 1, bm, 2, True) for bm in (8, 16, 32)]
     others_reported = threading.Event()
     reported = []
 
@@ -23,7 +24,7 @@ def test_check_prints_each_row_as_its_variant_finishes(monkeypatch, capsys):
             assert others_reported.wait(timeout=30)
         if variant.block_m == 16:
             raise RuntimeError("nvcc failed")
-        log = PTXAS.format(name=jit.KERNEL_NAME, spill=4 if variant.block_m == 8 else 0)
+        log = PTXAS.format(name=kernel_variant.KERNEL_NAME, spill=4 if variant.block_m == 8 else 0)
         return jit.CompiledKernel(variant, Path("unused.cubin"), log)
 
     real_compile_variants = jit.compile_variants
@@ -37,9 +38,9 @@ def test_check_prints_each_row_as_its_variant_finishes(monkeypatch, capsys):
         return real_compile_variants(vs, verbose, counted)
 
     monkeypatch.setattr(jit, "compile_variant", fake_compile)
-    monkeypatch.setattr(jit, "compile_variants", compile_variants)
+    monkeypatch.setattr(jit_check, "compile_variants", compile_variants)
     monkeypatch.setattr(jit.os, "cpu_count", lambda: 4)
-    failures = jit.check_variants(variants)
+    failures = jit_check.check_variants(variants)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert failures == 2  # the compile error and the spilling variant
     assert [line[:5] for line in lines] == ["[1/3]", "[2/3]", "[3/3]"]

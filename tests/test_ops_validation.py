@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import megamoe_plugin as mm
-from megamoe_plugin import settings, variants
+from megamoe_plugin import kernel_variant, settings, variants
 from megamoe_plugin.testing import random_layer
 
 E, N, K, H, I = 4, 16, 2, 256, 256
@@ -125,7 +125,7 @@ def test_forced_block_m_128_is_refused_in_exact_numerics(monkeypatch):
     # fast_math=False's IEEE divisions would call out of the register-rebalanced region: 64 runs it.
     assert variants.variant_for(shape, "NVIDIA H200", 132, 512, False, "fast", forced_block_m=128).block_m == 64
     with pytest.raises(ValueError, match="needs fast_math=True"):
-        jit.KernelVariant(4096, 2048, 6, 32, 1, 128, 4, False, "fast")
+        kernel_variant.KernelVariant(4096, 2048, 6, 32, 1, 128, 4, False, "fast")
     with pytest.raises(ValueError, match=r"MEGAMOE_BLOCK_M=128 is not implemented in 'exact' numerics"):
         variants.variant_for(shape, "NVIDIA H200", 132, 512, True, "exact", forced_block_m=128)
 
@@ -157,7 +157,7 @@ def test_select_variant_carries_the_numerics_mode(monkeypatch):
     # KernelConfig's last two arguments: exact L1, windowed.
     assert "true, false>" in exact.source().split("\n")[1] and "false, false>" in fast.source().split("\n")[1]
     with pytest.raises(ValueError, match="numerics must be one of"):
-        jit.KernelVariant(4096, 2048, 6, 32, 1, 64, 4, True, "fp8")
+        kernel_variant.KernelVariant(4096, 2048, 6, 32, 1, 64, 4, True, "fp8")
 
 
 def test_select_variant_is_windowed_where_the_buffer_is(monkeypatch):
@@ -174,7 +174,7 @@ def test_select_variant_is_windowed_where_the_buffer_is(monkeypatch):
     for numerics in ("fast", "exact"):
         plain, win = (ops.select_variant(b, 512, True, numerics) for b in (whole, windowed))
         assert not plain.windowed and win.windowed and win.name() == plain.name() + "_win"
-        assert jit.WINDOW_KERNEL_NAME not in plain.source() and f"{jit.WINDOW_KERNEL_NAME}(" in win.source()
+        assert kernel_variant.WINDOW_KERNEL_NAME not in plain.source() and f"{kernel_variant.WINDOW_KERNEL_NAME}(" in win.source()
         assert win.source().split("\n")[1].endswith(", true>;")
         assert f"Cfg::kWindowLoop == {'false' if win.block_m == 128 else 'true'}" in win.source()
     assert mm.buffer.BufferShape(2, 64, 512, 6, 4096, 2048).windowed  # the default pools at EP2

@@ -14,7 +14,7 @@ import torch
 
 import megamoe_plugin as mm
 from kernel_stand_ins import compiles, fresh_toolchain, stand_in_toolchain  # noqa: F401
-from megamoe_plugin import jit, ops, progress, validation
+from megamoe_plugin import jit, kernel_variant, ops, progress, validation
 from megamoe_plugin.jit import cli, command
 from megamoe_plugin.variants import deployment_variants
 from megamoe_plugin.model_config import MoEShape, shape_from_args
@@ -39,7 +39,7 @@ def test_cache_key_needs_no_toolkit_and_each_toolchain_has_its_build(jit_cache, 
     """The entry is found from the sources, instantiation and flags alone; inside it, the build
     is per toolchain, so new CUTLASS headers (or a new nvcc) do not reuse an old cubin where they
     can compile, while a machine without them takes the newest toolchain's build that verifies."""
-    variant = jit.KernelVariant(384, 256, 2, 4, 1, 8, 2, True)
+    variant = kernel_variant.KernelVariant(384, 256, 2, 4, 1, 8, 2, True)
     built = {}
     for cutlass in ("4.2.0", "4.10.1"):
         stand_in_toolchain(cutlass_version=cutlass)
@@ -73,15 +73,15 @@ def test_build_then_load_without_nvcc(jit_cache, fresh_toolchain, request):
     compiled = jit.compile_variant(variant)
     assert compiled.cubin == built / "kernel.cubin"
     cubin = compiled.cubin.read_bytes()
-    assert cubin[:4] == b"\x7fELF" and jit.KERNEL_NAME.encode() in cubin
+    assert cubin[:4] == b"\x7fELF" and kernel_variant.KERNEL_NAME.encode() in cubin
     assert "Used" in compiled.ptxas_log  # --check's report works from the pre-built cache too
-    other = jit.KernelVariant(384, 256, 2, 4, 1, 16, 2, True)
+    other = kernel_variant.KernelVariant(384, 256, 2, 4, 1, 16, 2, True)
     assert jit.missing_variants([variant, other]) == ([other], "megamoe: nvcc not found (needed once per kernel "
                                                                "variant); install the CUDA toolkit or set MEGAMOE_NVCC")
 
 
 def test_missing_variant_without_nvcc_names_the_build_command(jit_cache, no_nvcc):
-    variant = jit.KernelVariant(384, 256, 2, 4, 1, 16, 2, True, "exact")
+    variant = kernel_variant.KernelVariant(384, 256, 2, 4, 1, 16, 2, True, "exact")
     with pytest.raises(jit.KernelMissingError) as info:
         jit.compile_variant(variant)
     message = str(info.value)

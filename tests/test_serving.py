@@ -144,7 +144,7 @@ def test_windowed_buffers_load_and_launch_the_window_kernel(fake):
     """On pools that hold fewer rows than the worst routing, the op loads each variant with its
     window kernel and launches it as often as BufferShape.window_kernel_launches says for the tier;
     on other pools neither."""
-    from megamoe_plugin.jit import WINDOW_KERNEL_NAME
+    from megamoe_plugin.kernel_variant import WINDOW_KERNEL_NAME
 
     layer = _layer(0)
     for buf in (_buffer(), _buffer(pool_rows=128)):

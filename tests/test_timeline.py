@@ -5,7 +5,7 @@ import torch
 
 import megamoe_plugin as mm
 from megamoe_plugin import timeline
-from megamoe_plugin.jit import KernelVariant
+from megamoe_plugin.kernel_variant import KernelVariant
 from megamoe_plugin.testing import random_layer
 
 

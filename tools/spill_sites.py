@@ -78,7 +78,7 @@ def find_nvdisasm() -> Optional[str]:
 
 
 def variant_of(name: str):
-    from megamoe_plugin.jit import KernelVariant
+    from megamoe_plugin.kernel_variant import KernelVariant
     m = NAME.match(name)
     if not m:
         raise SystemExit(f"not a variant name: {name!r} (e.g. h7168_i2048_k8_e32_r1_bm64_st5_fm1_fast)")

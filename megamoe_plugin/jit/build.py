@@ -6,7 +6,8 @@ import threading
 from typing import List, Tuple
 
 from ..progress import progress_bar
-from . import KernelVariant, compile_variants
+from ..kernel_variant import KernelVariant
+from . import compile_variants
 
 def build_variants(variants: List[KernelVariant]) -> List[Tuple[KernelVariant, Exception]]:
     """Compiles (one nvcc per CPU) whichever of `variants` the cache lacks, or holds only in a

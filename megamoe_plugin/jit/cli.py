@@ -66,7 +66,8 @@ build's manifest does not vouch for (--build replaces those).""")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from . import cache, check_variants, find_toolchain, reference_variants
+    from . import cache, find_toolchain
+    from .check import check_variants, reference_variants
 
     p = parser()
     args = p.parse_args(argv)

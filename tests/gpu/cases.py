@@ -276,7 +276,7 @@ if __name__ == "__main__":
         print("\n".join(sanitizer_jobs(args.numerics.split(",") if args.numerics else None,
                                         [int(t) for t in args.tiers.split(",")] if args.tiers else None)))
         sys.exit(0)
-    from megamoe_plugin.jit import check_variants
+    from megamoe_plugin.jit.check import check_variants
 
     chosen = (bench_variants() if args.bench else lag_variants() if args.lag else x2_variants() if args.x2
               else list(dict.fromkeys(variants() + sanitizer_variants())))
