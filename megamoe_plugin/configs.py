@@ -52,6 +52,7 @@ from .heuristics import (
     DEFAULT_NUMERICS,
     MIN_STAGES,
     NUMERICS_MODES,
+    Numerics,
     SMEM_LIMIT,
     implemented_block_m,
     KernelConfig,
@@ -130,7 +131,7 @@ class ConfigTable:
     note: Optional[str]
     tables: Mapping[TableKey, ShapeTable]
 
-    def find(self, shape: TableShape, numerics: str) -> Optional[ShapeTable]:
+    def find(self, shape: TableShape, numerics: Numerics) -> Optional[ShapeTable]:
         """The table a call of this shape in this numerics mode reads: the mode's own,
         else the shape's table for both modes, else None."""
         return self.tables.get((shape, numerics), self.tables.get((shape, None)))
@@ -357,7 +358,7 @@ def load_table(gpu_name: str, configs_dir: Union[str, Path, None] = None) -> Opt
 
 @functools.lru_cache(maxsize=None)
 def _lookup(gpu_name: str, num_ranks: int, num_experts: int, num_topk: int, hidden: int, intermediate_size: int,
-            num_tokens: int, num_sms: int, configs_dir: str, numerics: str) -> KernelConfig:
+            num_tokens: int, num_sms: int, configs_dir: str, numerics: Numerics) -> KernelConfig:
     config = default_config(num_ranks, num_experts, num_topk, hidden, intermediate_size, num_tokens, num_sms,
                             numerics)
     table = _load(gpu_name, configs_dir)
@@ -371,7 +372,7 @@ def _lookup(gpu_name: str, num_ranks: int, num_experts: int, num_topk: int, hidd
 
 def lookup_config(gpu_name: str, num_ranks: int, num_experts: int, num_topk: int, hidden: int,
                   intermediate_size: int, num_tokens: int, num_sms: int,
-                  configs_dir: Union[str, Path, None] = None, numerics: str = DEFAULT_NUMERICS) -> KernelConfig:
+                  configs_dir: Union[str, Path, None] = None, numerics: Numerics = DEFAULT_NUMERICS) -> KernelConfig:
     """The config for a call: the GPU's table entry if there is one, else the heuristic
     (whose pipeline depth depends on the numerics mode's shared memory).
 

@@ -26,6 +26,7 @@ import torch
 from . import ops
 from .buffer import SymmBuffer, buffer_of, check_open_buffer
 from .weights import unpack_pair
+from .heuristics import Numerics
 
 OP_NAME = "megamoe::fp8_mega_moe"
 
@@ -47,7 +48,7 @@ def _fp8_mega_moe(y: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
                   w2_scale: torch.Tensor, buffer_storage: torch.Tensor, buffer_key: int,
                   activation_clamp: Optional[float], fast_math: bool,
                   cumulative_local_expert_recv_stats: Optional[torch.Tensor], config_num_tokens: Optional[int],
-                  numerics: Optional[str]) -> None:
+                  numerics: Optional[str]) -> None:  # str: the op schema has no Literal (heuristics.Numerics)
     buf = _resolve(buffer_storage, buffer_key)
     # Looked up at call time (not bound at import): tests replace ops.fp8_mega_moe.
     ops.fp8_mega_moe(y, (w13, w13_scale), (w2, w2_scale), buf, activation_clamp=activation_clamp,
@@ -63,7 +64,7 @@ def _(y, w13, w13_scale, w2, w2_scale, buffer_storage, buffer_key, activation_cl
 
 def fp8_mega_moe(y: torch.Tensor, l1, l2, buf: SymmBuffer, activation_clamp: Optional[float] = None,
                  fast_math: bool = True, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                 config_num_tokens: Optional[int] = None, numerics: Optional[str] = None) -> torch.Tensor:
+                 config_num_tokens: Optional[int] = None, numerics: Optional[Numerics] = None) -> torch.Tensor:
     """megamoe_plugin.fp8_mega_moe (same arguments, same result) through the registered op."""
     check_open_buffer(buf)
     (w13, w13_scale), (w2, w2_scale) = unpack_pair(l1, "l1"), unpack_pair(l2, "l2")

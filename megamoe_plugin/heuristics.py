@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence, Tuple, get_args
 
 from . import abi
 
@@ -53,17 +53,18 @@ _TIER_UPPER_BOUNDS = ((4.0, 8), (8.0, 16), (24.0, 32), (64.0, 64))
 
 # docs/design.md section 2's two numerics modes: "fast" runs L1 on FP8 tensor cores (the default),
 # "exact" on FP16 tensor cores over the exact FP8 values (csrc/megamoe/config.cuh kExactL1).
-NUMERICS_MODES = ("fast", "exact")
-DEFAULT_NUMERICS = "fast"
+Numerics = Literal["fast", "exact"]
+NUMERICS_MODES: Tuple[Numerics, ...] = get_args(Numerics)
+DEFAULT_NUMERICS: Numerics = "fast"
 
 
-def check_numerics(numerics) -> str:
+def check_numerics(numerics) -> Numerics:
     if numerics not in NUMERICS_MODES:
         raise ValueError(f"numerics must be one of {NUMERICS_MODES}, got {numerics!r}")
     return numerics
 
 
-def implemented_block_m(numerics: str) -> tuple:
+def implemented_block_m(numerics: Numerics) -> tuple:
     """The tiers the kernel implements in this numerics mode."""
     exact = check_numerics(numerics) == "exact"
     return tuple(tier.block_m for tier in TIERS if tier.exact or not exact)
@@ -134,11 +135,11 @@ def _check_local_experts(num_local_experts: int) -> None:
         raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
 
 
-def _smem_plan(block_m: int, num_stages: int, num_local_experts: int, numerics: str) -> dict:
+def _smem_plan(block_m: int, num_stages: int, num_local_experts: int, numerics: Numerics) -> dict:
     return abi.smem_plan(block_m, num_stages, num_local_experts, check_numerics(numerics) == "exact")
 
 
-def smem_bytes(block_m: int, num_stages: int, num_local_experts: int, numerics: str = DEFAULT_NUMERICS) -> int:
+def smem_bytes(block_m: int, num_stages: int, num_local_experts: int, numerics: Numerics = DEFAULT_NUMERICS) -> int:
     """Dynamic shared memory one CTA is launched with, in bytes: the kernel's SharedStorage as abi.h
     plans it (num_stages pipeline stages and the fixed part) and the slack that aligns its base."""
     _check_tier(block_m)
@@ -149,7 +150,7 @@ def smem_bytes(block_m: int, num_stages: int, num_local_experts: int, numerics: 
 
 
 def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = SMEM_LIMIT,
-                        numerics: str = DEFAULT_NUMERICS) -> int:
+                        numerics: Numerics = DEFAULT_NUMERICS) -> int:
     """Largest stage count whose `smem_bytes` fits in `smem_limit`.
 
     Raises ValueError when fewer than MIN_STAGES fit: with one stage the TMA producer
@@ -169,7 +170,7 @@ def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = 
 
 
 def default_num_stages(block_m: int, num_local_experts: int, hidden: int, intermediate_size: int,
-                       smem_limit: int = SMEM_LIMIT, numerics: str = DEFAULT_NUMERICS) -> int:
+                       smem_limit: int = SMEM_LIMIT, numerics: Numerics = DEFAULT_NUMERICS) -> int:
     """Pipeline depth: as many stages as fit, at most MAX_STAGES, at most the k-blocks
     of the shorter GEMM (min(hidden, intermediate_size) / BLOCK_K), never below MIN_STAGES.
 
@@ -216,7 +217,7 @@ class KernelConfig:
 
 
 def default_config(num_ranks: int, num_experts: int, num_topk: int, hidden: int, intermediate_size: int,
-                   num_tokens: int, num_sms: int, numerics: str = DEFAULT_NUMERICS) -> KernelConfig:
+                   num_tokens: int, num_sms: int, numerics: Numerics = DEFAULT_NUMERICS) -> KernelConfig:
     """The heuristic config for a call with num_tokens tokens per rank on num_sms SMs."""
     if num_experts % num_ranks != 0:
         raise ValueError(f"num_experts ({num_experts}) must be a multiple of num_ranks ({num_ranks})")

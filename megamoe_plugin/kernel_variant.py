@@ -8,7 +8,7 @@ import dataclasses
 
 from . import abi
 from .buffer import window_loop
-from .heuristics import DEFAULT_NUMERICS, TIER_OF, implemented_block_m
+from .heuristics import DEFAULT_NUMERICS, Numerics, TIER_OF, implemented_block_m
 
 KERNEL_NAME = "megamoe_fused_kernel"
 # Windowed variants' second entry (csrc/megamoe/kernel.cuh mega_moe_windows), launched after the first.
@@ -28,7 +28,7 @@ class KernelVariant:
     block_m: int
     num_stages: int
     fast_math: bool
-    numerics: str = DEFAULT_NUMERICS  # heuristics.NUMERICS_MODES
+    numerics: Numerics = DEFAULT_NUMERICS  # heuristics.NUMERICS_MODES
     # Debugging: per-tile clock records (csrc/megamoe/timeline.cuh, megamoe_plugin/timeline.py).
     timeline: bool = False
     # The buffer's pools hold fewer rows than the worst routing needs (buffer.BufferShape.windowed):

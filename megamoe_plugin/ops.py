@@ -22,7 +22,7 @@ import torch
 
 from . import native, reports, validation
 from .buffer import SymmBuffer
-from .heuristics import DEFAULT_NUMERICS
+from .heuristics import DEFAULT_NUMERICS, Numerics
 from .jit import (KernelMissingError, compile_variant, compile_variants, missing_variants,
                   variants_to_compile)
 from .kernel_variant import KERNEL_NAME, NUM_THREADS, WINDOW_KERNEL_NAME, KernelVariant
@@ -37,7 +37,7 @@ from .validation import resolve_numerics  # noqa: F401
 WeightPair = Tuple[torch.Tensor, torch.Tensor]
 
 
-def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool, numerics: str = DEFAULT_NUMERICS
+def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool, numerics: Numerics = DEFAULT_NUMERICS
                    ) -> KernelVariant:
     """The kernel variant a call with `num_tokens` (per rank) runs: the shipped table, else the
     heuristic; MEGAMOE_BLOCK_M and MEGAMOE_NUM_STAGES force the tier and the depth. Memoized,
@@ -186,7 +186,7 @@ def _layer_ordinal(buf: SymmBuffer, l1: WeightPair, l2: WeightPair) -> int:
 
 
 def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Iterable[int],
-           fast_math: bool = True, numerics: Optional[str] = None,
+           fast_math: bool = True, numerics: Optional[Numerics] = None,
            other_layers: Iterable[Tuple[WeightPair, WeightPair]] = ()) -> int:
     """Compiles (several at once) and loads every kernel variant the given token counts
     select, and builds their params for the weights (l1, l2) and every (l1, l2) pair of
@@ -215,7 +215,7 @@ def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Ite
 
 
 def _load_for_calls(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Iterable[int],
-                    fast_math: bool, numerics: Optional[str], other_layers: Iterable[Tuple[WeightPair, WeightPair]]
+                    fast_math: bool, numerics: Optional[Numerics], other_layers: Iterable[Tuple[WeightPair, WeightPair]]
                     ) -> int:
     """warmup's work on this rank: compile, load, build params; the number of variants."""
     validation.require_sm90(buf.device)
@@ -266,7 +266,7 @@ def _agree_on_warmup(buf: SymmBuffer, failed: bool) -> None:
                            "every rank stops here, since their calls would wait for it until the timeout")
 
 
-def _raise_if_not_buildable(buf: SymmBuffer, variants, num_tokens_list: List[int], numerics: str,
+def _raise_if_not_buildable(buf: SymmBuffer, variants, num_tokens_list: List[int], numerics: Numerics,
                             fast_math: bool) -> None:
     """KernelMissingError, before anything is compiled, naming every variant that is neither
     in the cache nor compilable here (no nvcc) and the --build command for these calls."""
@@ -281,7 +281,7 @@ def _raise_if_not_buildable(buf: SymmBuffer, variants, num_tokens_list: List[int
 def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer,
                  activation_clamp: Optional[float] = None, fast_math: bool = True,
                  cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                 config_num_tokens: Optional[int] = None, numerics: Optional[str] = None,
+                 config_num_tokens: Optional[int] = None, numerics: Optional[Numerics] = None,
                  _stop_after_phase: int = 0, _timeline: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fused MoE of docs/design.md section 2 for this rank's first y.shape[0] tokens,
     whose inputs the caller wrote into buf.x / x_sf / topk_idx / topk_weights.

@@ -13,6 +13,7 @@ import torch
 
 from . import abi, native
 from .watchdog import Watchdog
+from .heuristics import Numerics
 
 # Why a kernel stopped (csrc/megamoe/abi.h ErrorCode: the low byte of HostWords::error).
 _ERROR_NAMES = {
@@ -36,7 +37,7 @@ def name_kernel(handle: int, name: str) -> None:
     _kernel_names[handle] = name
 
 
-def call_tag(layer: int, numerics: str, fast_math: bool, refused: bool = False) -> int:
+def call_tag(layer: int, numerics: Numerics, fast_math: bool, refused: bool = False) -> int:
     """What a call is, for the ranks to compare (abi.h CallTag): the layer (the buffer's ordinal
     of its weights), the numerics mode, fast_math, and whether this rank refused the call."""
     return ((layer & abi.kCallTagLayerMask) | (abi.kCallTagExact if numerics == "exact" else 0)

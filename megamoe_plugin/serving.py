@@ -37,6 +37,7 @@ import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+from .heuristics import Numerics
 
 # The package's logger and this module's, below it; route_logs_to hands their records to a
 # framework's logger.
@@ -187,7 +188,7 @@ def _weights_key(l1, l2) -> Tuple[int, ...]:
     return (l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(), l2[1].data_ptr())
 
 
-def maybe_warmup(buf, key: Tuple, l1, l2, token_counts: Iterable[int], numerics: Optional[str] = None) -> None:
+def maybe_warmup(buf, key: Tuple, l1, l2, token_counts: Iterable[int], numerics: Optional[Numerics] = None) -> None:
     """Before a layer's first kernel call on `buf` (buffer_key `key`): ops.warmup with every
     kernel variant these token counts select in `numerics` mode (one mode per process), for this layer's weights and those of every registered layer of the buffer not
     warmed up yet; it ends with the group barrier."""
@@ -214,7 +215,7 @@ def maybe_warmup(buf, key: Tuple, l1, l2, token_counts: Iterable[int], numerics:
 
 def run_kernel(output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                topk_weights: torch.Tensor, l1, l2, buf, activation_clamp: Optional[float],
-               numerics: Optional[str] = None, rank_equal_num_tokens: Callable[[int], int] = int) -> None:
+               numerics: Optional[Numerics] = None, rank_equal_num_tokens: Callable[[int], int] = int) -> None:
     """`rank_equal_num_tokens(n)`: a token count equal on every EP rank (the framework knows
     the other ranks' batch sizes), so that every rank picks the same kernel config."""
     import megamoe_plugin as mm

@@ -14,6 +14,7 @@ import torch
 
 from .fp8 import dequantize_per_token_group, dequantize_weight_blocks, quantize_per_token_group, quantize_weight_blocks
 from .weights import transform_weights
+from .heuristics import Numerics
 
 ROUTINGS = ("uniform", "masked", "one_expert", "half_empty")
 
@@ -160,7 +161,7 @@ FP8_TENSOR_CORE_MISS_MARGIN = {"token": 1e-3, "calc_diff": 1e-6}
 
 
 def output_errors(ys: List[torch.Tensor], inputs: List[Dict[str, torch.Tensor]], layers: List[Layer],
-                  num_experts: int, numerics: str, activation_clamp: Optional[float] = None) -> List[Optional[str]]:
+                  num_experts: int, numerics: Numerics, activation_clamp: Optional[float] = None) -> List[Optional[str]]:
     """Each rank's output against docs/design.md section 2 for `numerics`: None where it passes,
     else every check that failed. Exact mode: the exact reference at NUMERICS_BOUNDS["exact"]. Fast
     mode: the exact reference at NUMERICS_BOUNDS["fast"] (a miss that the FP8-tensor-core reference
@@ -216,7 +217,7 @@ def output_errors(ys: List[torch.Tensor], inputs: List[Dict[str, torch.Tensor]],
 
 
 def check_outputs(ys: List[torch.Tensor], inputs: List[Dict[str, torch.Tensor]], layers: List[Layer],
-                  num_experts: int, numerics: str, activation_clamp: Optional[float] = None) -> None:
+                  num_experts: int, numerics: Numerics, activation_clamp: Optional[float] = None) -> None:
     """output_errors as an assertion that names the failing ranks."""
     failures = [f"rank {r}: {e}" for r, e in enumerate(output_errors(ys, inputs, layers, num_experts, numerics,
                                                                        activation_clamp)) if e is not None]

@@ -55,6 +55,7 @@ from .heuristics import (
     MAX_STAGES,
     MIN_STAGES,
     NUMERICS_MODES,
+    Numerics,
     default_num_stages,
     expected_tokens_per_expert,
     implemented_block_m,
@@ -87,7 +88,7 @@ class Point(NamedTuple):
     shape_name: str
     shape: TableShape
     tokens: int
-    numerics: str
+    numerics: Numerics
     candidates: Tuple[Candidate, ...]
 
     @property
@@ -108,7 +109,7 @@ Timer = Callable[[Point, Candidate], float]
 
 
 def tier_candidates(expected_tokens: float, tiers: Optional[Sequence[int]] = None,
-                    numerics: str = DEFAULT_NUMERICS) -> Tuple[int, ...]:
+                    numerics: Numerics = DEFAULT_NUMERICS) -> Tuple[int, ...]:
     """`tiers` if given (those the mode implements), else the heuristic's tier and its
     neighbours among the mode's tiers: the tier bounds come from a few measured shapes
     (heuristics._TIER_UPPER_BOUNDS), so the winner elsewhere is near them, not far off."""
@@ -119,7 +120,7 @@ def tier_candidates(expected_tokens: float, tiers: Optional[Sequence[int]] = Non
     return own[max(0, i - 1): i + 2]
 
 
-def stage_candidates(block_m: int, shape: TableShape, numerics: str,
+def stage_candidates(block_m: int, shape: TableShape, numerics: Numerics,
                      stages: Optional[Sequence[int]] = None) -> Tuple[int, ...]:
     """Of `stages` (if given) those that fit in shared memory in this numerics mode; else
     the heuristic's depth (as many as fit, up to MAX_STAGES) and MAX_STAGES / 2, which

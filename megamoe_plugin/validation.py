@@ -11,6 +11,7 @@ import torch
 from . import settings
 from .buffer import check_open_buffer
 from .weights import unpack_pair
+from .heuristics import Numerics
 
 
 def require_sm90(device: torch.device) -> None:
@@ -36,7 +37,7 @@ def check_tensor(t, name: str, dtype: torch.dtype, shape: Tuple[int, ...], devic
         raise ValueError(f"{name} must be contiguous")
 
 
-def resolve_numerics(numerics: Optional[str]) -> str:
+def resolve_numerics(numerics: Optional[Numerics]) -> Numerics:
     """The call's numerics mode (docs/design.md section 2): the argument, else MEGAMOE_NUMERICS,
     else "fast"."""
     from .heuristics import check_numerics

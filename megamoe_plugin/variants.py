@@ -9,13 +9,13 @@ import dataclasses
 from typing import Iterable, List, Optional, Sequence
 
 from .buffer import BufferShape
-from .heuristics import NUMERICS_MODES
+from .heuristics import NUMERICS_MODES, Numerics
 from .kernel_variant import KernelVariant
 from .model_config import MoEShape
 from .settings import forced_block_m, forced_num_stages
 
 
-def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math: bool, numerics: str,
+def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math: bool, numerics: Numerics,
                 forced_block_m: Optional[int] = None, forced_num_stages: Optional[int] = None) -> KernelVariant:
     """select_variant without a buffer or a GPU, for a buffer of shape `s` (buffer.BufferShape)
     on `grid_size` SMs of `device_name` (tests/gpu/cases.py precompiles with it)."""

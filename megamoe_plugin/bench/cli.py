@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..configs import REFERENCE_SHAPES, REFERENCE_TOKENS_PER_RANK
-from ..heuristics import NUMERICS_MODES
+from ..heuristics import NUMERICS_MODES, Numerics
 
 PROG = "megamoe-bench"
 # docs/design.md section 8's reference configs, (H, I, K); every one has 32 local experts per rank.
@@ -238,7 +238,7 @@ class _Timer:
         dist.all_gather_object(per_rank, t, self.group)
         return max(per_rank)  # the slowest rank bounds the step
 
-    def point(self, inputs: Dict, numerics: str, t_base: Optional[float]) -> Dict:
+    def point(self, inputs: Dict, numerics: Numerics, t_base: Optional[float]) -> Dict:
         import torch
 
         import megamoe_plugin as mm

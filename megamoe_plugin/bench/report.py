@@ -5,6 +5,7 @@ still written and the run says so."""
 from __future__ import annotations
 
 import json
+from ..heuristics import Numerics
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -30,7 +31,7 @@ def row(point: Dict) -> str:
     return " ".join(cells)
 
 
-def point(config: str, numerics: str, tokens: int, time_s: float, flops: int, floor_s: float, e2e_s: float,
+def point(config: str, numerics: Numerics, tokens: int, time_s: float, flops: int, floor_s: float, e2e_s: float,
           baseline_s: Optional[float], nvlink_bytes: Optional[int] = None) -> Dict:
     """One measured point as the JSON file and the table hold it (times in us; the rank's NVLink
     traffic per call in MB, floors.rank_floor, None on one rank)."""

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .. import support
 from . import BACKEND
+from ..heuristics import Numerics
 
 logger = logging.getLogger("vllm.megamoe_sm90")
 
@@ -292,7 +293,7 @@ _layer_variants: Dict[Tuple, list] = {}
 
 
 def check_kernels_loadable(hidden: int, intermediate_size: int, num_experts: int, num_topk: int, ep_size: int,
-                           max_tokens: int, numerics: Optional[str]) -> None:
+                           max_tokens: int, numerics: Optional[Numerics]) -> None:
     """Where nothing can compile (no nvcc: a serving container with the driver only), every
     kernel variant a step of this layer can select (any batch of 0..max_tokens tokens per
     rank) must be in the cache, or the first forward would fail: refused here, naming the
