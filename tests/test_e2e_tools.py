@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,22 @@ def test_wait_healthy_waits_for_health_and_names_a_dead_server(tmp_path):
     dead = subprocess.run([sys.executable, script, "9", "30", str(gone.pid)], capture_output=True, text=True,
                           timeout=60)
     assert dead.returncode != 0 and "the server exited before it was healthy" in dead.stderr
+
+
+def test_served_folder_holds_the_config_and_the_tokenizer_and_names_what_is_missing(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "tools" / "e2e" / "served_folder.sh"
+    model, tokenizer, out = tmp_path / "model", tmp_path / "tok", tmp_path / "out"
+    model.mkdir()
+    tokenizer.mkdir()
+    (model / "config.json").write_text("{}")
+    (tokenizer / "tokenizer_config.json").write_text("{}")
+    run = lambda: subprocess.run(["bash", str(script), str(model), str(tokenizer), str(out)], capture_output=True,
+                                 text=True)
+    missing = run()
+    assert missing.returncode == 2 and f"no tokenizer.json in {tokenizer}" in missing.stderr
+    (tokenizer / "tokenizer.json").write_text("{}")
+    assert run().returncode == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    (model / "config.json").unlink()
+    no_config = run()
+    assert no_config.returncode == 2 and f"no config.json in {model}" in no_config.stderr

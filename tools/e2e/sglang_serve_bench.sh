@@ -38,14 +38,8 @@ case $BACKEND in
   *) log "unknown BACKEND $BACKEND"; exit 2 ;;
 esac
 
-# The served folder: the model config with the tokenizer's files.
 M=$RESULTS_DIR/model
-mkdir -p "$M"
-cp "$MODEL_DIR/config.json" "$M/"
-for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
-  [ -f "$TOKENIZER_DIR/$f" ] && cp "$TOKENIZER_DIR/$f" "$M/"
-done
-[ -f "$M/tokenizer.json" ] || { log "no tokenizer.json in $TOKENIZER_DIR"; exit 2; }
+bash "$HERE/served_folder.sh" "$MODEL_DIR" "$TOKENIZER_DIR" "$M" || exit 2
 
 # The same flags for every backend: dummy weights (SGLang's dummy loader is seeded), triton
 # attention (no FlashAttention library needed), chunks and graphs under sglang 0.5.17's per-rank
