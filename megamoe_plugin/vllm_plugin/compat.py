@@ -73,3 +73,15 @@ def max_num_batched_tokens(vllm_config, default: int) -> int:
     sched = getattr(vllm_config, "scheduler_config", None)
     value = getattr(sched, "max_num_batched_tokens", None) if sched is not None else None
     return int(value) if value else default
+
+
+@functools.lru_cache(maxsize=None)
+def shared_experts_in_method_order():
+    """The shared-experts order in which the MoE method itself runs a layer's shared experts
+    (0.33: SharedExpertsOrder.MK_INTERNAL_OVERLAPPED, chosen where the method says it can overlap
+    them), or None where vLLM has no such order."""
+    try:
+        from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
+    except ImportError:
+        return None
+    return getattr(SharedExpertsOrder, "MK_INTERNAL_OVERLAPPED", None)

@@ -270,11 +270,26 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
 
     # ------------------------------------------------------------------ forward
 
+    @property
+    def mk_can_overlap_shared_experts(self) -> bool:
+        """True where vLLM lets the method run the shared experts (compat.shared_experts_in_method_order):
+        `apply` runs them on the layer's stream before the kernel. Left to vLLM, a shared-expert model's
+        shared experts run at small batches on an auxiliary stream beside the kernel, whose persistent
+        grid then waits for SMs the GEMMs hold: measured on an H200 (tools/aux_stream_stall.py), a
+        GEMM pair of 70-130 us delayed the kernel by 165-250 us at 1-64 tokens."""
+        return compat.shared_experts_in_method_order() is not None
+
     def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None, **kwargs):
         if self.moe_kernel is None or self.experts is None:
             raise RuntimeError(f"{BACKEND}: the MoE weights have not been processed (process_weights_after_loading "
                                "was not called)")
+        order = compat.shared_experts_in_method_order()
+        if shared_experts is not None and order is not None:
+            # They run here where the runner chose this order; elsewhere (EPLB, sequence parallelism: no
+            # overlap) vLLM ran them itself before the MoE and this call does nothing.
+            shared_experts(shared_experts_input, order)
+            shared_experts = shared_experts_input = None
         if x.shape[0] == 0:
             # Every EP rank takes part in every step; vLLM's modular kernel skips the
             # experts for an empty batch, so call them directly.

@@ -250,6 +250,45 @@ def test_forward_with_activation_clamp(vllm_config, dist_env, reference_executor
     assert not torch.equal(y, torch_moe(x, logits, ckpt, TOPK))  # the clamp is active at this scale
 
 
+class _SharedExpert(torch.nn.Module):
+    """A shared expert stand-in: a bf16 projection, counting the batches it sees."""
+
+    def __init__(self, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.weight = torch.nn.Parameter((torch.randn(HIDDEN, HIDDEN, generator=g) * 0.02).to(torch.bfloat16),
+                                         requires_grad=False)
+        self.batches = []
+
+    def forward(self, x):
+        self.batches.append(x.shape[0])
+        return x @ self.weight.T
+
+
+@pytest.mark.parametrize("n", [0, 3, 64])
+def test_the_method_runs_the_shared_experts_before_the_kernel_not_beside_it(vllm_config, dist_env,
+                                                                            reference_executor, n):
+    """vLLM lets the method run the shared experts (they would otherwise go to an auxiliary stream
+    beside the persistent kernel at small batches); the layer's output is routed + shared, the shared
+    experts run once per call."""
+    from megamoe_plugin.vllm_plugin import compat
+
+    order = compat.shared_experts_in_method_order()
+    if order is None:
+        pytest.skip(f"vLLM {compat.vllm_version()} has no order in which the MoE method runs the shared experts")
+    shared = _SharedExpert(seed=3)
+    runner, ckpt, _ = _loaded_layer(vllm_config, seed=9, shared_experts=shared)
+    assert runner.routed_experts.quant_method.mk_can_overlap_shared_experts
+    x, logits = _inputs(n, seed=4)
+    assert runner._shared_experts._determine_shared_experts_order(x) == order
+    y = _forward(vllm_config, runner, x, logits)
+    assert shared.batches == [n]
+    want = (torch_moe(x, logits, ckpt, TOPK).float() + shared(x).float()).to(torch.bfloat16)
+    if n:
+        _assert_close(y, want)
+    assert y.shape == (n, HIDDEN)
+
+
 def test_layers_of_one_shape_share_one_buffer(vllm_config, dist_env, reference_executor):
     from megamoe_plugin.vllm_plugin import executor
 
