@@ -11,10 +11,12 @@ For each grid size and token count, with a shared-expert model's routed shape (v
 I 2048, top-8, 32 local experts per rank) and a shared expert of the same H and I (one
 [T, H] x [H, 2I] and one [T, I] x [I, H] GEMM, FP8 `torch._scaled_mm` or BF16):
   alone     the kernel's and the GEMMs' times, each from a start event on its stream
-  gemm1st   the GEMMs launched on the aux stream just before the kernel (what vLLM does)
+  gemm1st   the GEMMs launched on the aux stream just before the kernel (what vLLM does by itself)
   kernel1st the kernel launched first
+  serial    the GEMMs, then the kernel, on one stream (what the plugin's vLLM glue does)
   stall     kernel time with the GEMMs minus alone; "STALL" when it is at least half the
             GEMMs' own time (the kernel sat waiting for SMs rather than sharing them)
+  layer     for each order, when the later of the two ended: what the layer costs
 Medians over --iters. Every output is compared bitwise with the one of the kernel run alone,
 and the run ends with ops.synchronize(), so a lost row or a timeout shows.
 
@@ -76,14 +78,18 @@ def timed(kernel, gemm, order, aux):
             gemm()
             g_end.record(aux)
 
+    def run_gemm_on_main():
+        gemm()
+        g_end.record(main)
+
     steps = {"alone": [run_kernel], "gemm": [run_gemm], "gemm1st": [run_gemm, run_kernel],
-             "kernel1st": [run_kernel, run_gemm]}[order]
+             "kernel1st": [run_kernel, run_gemm], "serial": [run_gemm_on_main, run_kernel]}[order]
     for step in steps:
         step()
     main.wait_stream(aux)
     torch.cuda.synchronize()
     return (start.elapsed_time(k_end) * 1e3 if run_kernel in steps else None,
-            start.elapsed_time(g_end) * 1e3 if run_gemm in steps else None)
+            start.elapsed_time(g_end) * 1e3 if run_kernel not in steps or len(steps) > 1 else None)
 
 
 def main():
@@ -104,7 +110,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}, {device_sms} SMs; routed H{HIDDEN} I{INTER} K{TOPK} "
           f"{LOCAL_EXPERTS} local experts; shared expert {args.gemm.upper()} GEMMs; median of {args.iters}")
     print(f"{'sms':>4s} {'tokens':>6s} {'kernel':>8s} {'gemm':>7s} {'gemm1st k/g':>15s} {'kernel1st k/g':>15s} "
-          f"{'stall':>7s}  verdict")
+          f"{'stall':>7s} {'layer: gemm1st':>14s} {'kernel1st':>9s} {'serial':>7s}  verdict")
     rows = []
     for sms in (int(s) for s in args.sms.split(",")):
         buf.num_sms = sms
@@ -118,7 +124,7 @@ def main():
                 mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
 
             times = {}
-            for order in ("alone", "gemm", "gemm1st", "kernel1st"):
+            for order in ("alone", "gemm", "gemm1st", "kernel1st", "serial"):
                 runs = []
                 for _ in range(args.iters):
                     y.fill_(float("nan"))
@@ -133,13 +139,15 @@ def main():
             kernel_alone, gemm_alone = times["alone"][0], times["gemm"][1]
             stall = max(times["gemm1st"][0], times["kernel1st"][0]) - kernel_alone
             verdict = "STALL" if stall >= 0.5 * gemm_alone else "ok"
+            layer = {order: max(times[order]) for order in ("gemm1st", "kernel1st", "serial")}
             row = dict(sms=sms, tokens=n, gemm=args.gemm, kernel_alone_us=kernel_alone, gemm_alone_us=gemm_alone,
-                       gemm_first_us=times["gemm1st"], kernel_first_us=times["kernel1st"], stall_us=stall,
-                       verdict=verdict)
+                       gemm_first_us=times["gemm1st"], kernel_first_us=times["kernel1st"], serial_us=times["serial"],
+                       stall_us=stall, layer_us=layer, verdict=verdict)
             rows.append(row)
             print(f"{sms:4d} {n:6d} {kernel_alone:8.1f} {gemm_alone:7.1f} "
                   f"{times['gemm1st'][0]:7.1f}/{times['gemm1st'][1]:7.1f} "
-                  f"{times['kernel1st'][0]:7.1f}/{times['kernel1st'][1]:7.1f} {stall:7.1f}  {verdict}", flush=True)
+                  f"{times['kernel1st'][0]:7.1f}/{times['kernel1st'][1]:7.1f} {stall:7.1f} "
+                  f"{layer['gemm1st']:14.1f} {layer['kernel1st']:9.1f} {layer['serial']:7.1f}  {verdict}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
