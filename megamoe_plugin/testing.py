@@ -13,8 +13,8 @@ from typing import Dict, List, Optional
 import torch
 
 from .fp8 import dequantize_per_token_group, dequantize_weight_blocks, quantize_per_token_group, quantize_weight_blocks
-from .weights import transform_weights
 from .heuristics import Numerics
+from .weights import transform_weights
 
 ROUTINGS = ("uniform", "masked", "one_expert", "half_empty")
 
@@ -148,6 +148,40 @@ def reference_outputs(inputs: List[Dict[str, torch.Tensor]], layers: List[Layer]
     ranks = [{k: v for k, v in r.items() if k != "hidden_states"} for r in inputs]
     return reference.mega_moe(ranks, [layer.checkpoint for layer in layers], num_experts,
                               activation_clamp=activation_clamp, l1_gemm=l1_gemm)
+
+
+def reference_slot_outputs(inputs: List[Dict[str, torch.Tensor]], layers: List[Layer], num_experts: int,
+                           activation_clamp: Optional[float] = None) -> List[torch.Tensor]:
+    """Each rank's per-slot expert outputs of the exact reference, bf16 [T_r, K, H], zeros in empty
+    slots: step 5's o for every (token, slot), which the kernel leaves in the token owner's combine
+    buffer (SymmBuffer.view("combine")), so a token that differs can be traced to its slot."""
+    from . import reference
+
+    ranks = [{k: v for k, v in r.items() if k != "hidden_states"} for r in inputs]
+    _, per_expert = reference.mega_moe(ranks, [layer.checkpoint for layer in layers], num_experts,
+                                       activation_clamp=activation_clamp, return_intermediates=True)
+    slots = [torch.zeros(*r["topk_idx"].shape, layers[0].checkpoint["w2"].shape[1], dtype=torch.bfloat16,
+                         device=r["x"].device) for r in ranks]
+    for expert in per_expert:
+        for (rank, token, slot), row in zip(expert["src"].tolist(), expert["l2_out"]):
+            slots[rank][token, slot] = row.to(torch.bfloat16)
+    return slots
+
+
+def worst_slots(kernel_slots: torch.Tensor, reference_slots: torch.Tensor, topk_idx: torch.Tensor,
+                count: int = 3) -> List[str]:
+    """The `count` valid (token, slot) rows of one rank whose kernel output (its combine buffer's first
+    T rows) is furthest from the reference's, as "token t slot k expert e: relative L2 error r"."""
+    from .reference import token_rel_errors
+
+    valid = (topk_idx >= 0).nonzero().tolist()
+    if not valid:
+        return []
+    tokens, slots = zip(*valid)
+    errors = token_rel_errors(kernel_slots[list(tokens), list(slots)], reference_slots[list(tokens), list(slots)])
+    order = errors.argsort(descending=True)[:count].tolist()
+    return [f"token {tokens[i]} slot {slots[i]} expert {int(topk_idx[tokens[i], slots[i]])}: relative L2 error "
+            f"{float(errors[i]):.3e}" for i in order]
 
 
 # Fast mode against the exact reference: a token or a call over section 2's bound passes where the

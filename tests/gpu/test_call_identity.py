@@ -30,7 +30,7 @@ import torch
 
 import megamoe_plugin as mm
 from megamoe_plugin.heuristics import implemented_block_m
-from megamoe_plugin.testing import fill_buffer, output_errors
+from megamoe_plugin.testing import fill_buffer, output_errors, reference_slot_outputs, worst_slots
 
 from .ipc_ranks import ipc_rank_buffer, leave, run_ipc_ranks
 from .multi_rank import MULTI_RANK_SHAPES, launch_side_by_side, make_world, step_inputs
@@ -225,6 +225,11 @@ def test_ranks_on_different_tiers(num_ranks, numerics):
         ys = launch_side_by_side(bufs, layers, inputs, streams, [by_tier[t] for t in mix], numerics)
         errors = output_errors(ys, inputs, layers, local_experts * num_ranks, numerics)
         print(f"\n  R={num_ranks} {numerics} tiers {mix}: {errors}", end="")
+        if any(errors):  # which (token, slot) rows of the combine buffers differ from the reference's
+            slots = reference_slot_outputs(inputs, layers, local_experts * num_ranks)
+            errors = [e if e is None else f"{e}; worst slots: " + "; ".join(worst_slots(
+                bufs[r].view("combine")[:inputs[r]["x"].shape[0]], slots[r], inputs[r]["topk_idx"]))
+                for r, e in enumerate(errors)]
         failures += [f"tiers {mix} rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
     assert not failures, "\n".join(failures)
 
