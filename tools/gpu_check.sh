@@ -25,6 +25,8 @@
 #                   space-separated subsets), through tools/sanitizer_sweep.sh
 #   PHASES=1        tools/phase_times.py (PHASES_ARGS): where a call's time goes, phase by phase
 #   TIMELINE=1      tools/tile_timeline.py (TIMELINE_ARGS): where each GEMM tile's time goes
+#   AUX_STALL=1     tools/aux_stream_stall.py (AUX_STALL_ARGS): what a shared expert's GEMMs beside, before
+#                   or after the kernel cost a layer
 #   SOAK=1          tools/soak.py (SOAK_ARGS): many calls on one buffer, some checked
 #   PYTHON          the interpreter (default python3)
 set -u -o pipefail
@@ -86,6 +88,10 @@ fi
 if [ "${TIMELINE:-0}" != 0 ]; then
   timeout "${TIMELINE_TIMEOUT:-600}" "$PY" "$TOOLS/tile_timeline.py" ${TIMELINE_ARGS:-} 2>&1 |
     tee "$RESULTS_DIR/tile_timeline.txt" || fail tile_timeline
+fi
+if [ "${AUX_STALL:-0}" != 0 ]; then
+  timeout "${AUX_STALL_TIMEOUT:-600}" "$PY" "$TOOLS/aux_stream_stall.py" ${AUX_STALL_ARGS:-} 2>&1 |
+    tee "$RESULTS_DIR/aux_stream_stall.txt" || fail aux_stream_stall
 fi
 if [ "${SANITIZER:-0}" != 0 ]; then
   numerics=${SANITIZER_NUMERICS:-} tiers=${SANITIZER_TIERS:-}
