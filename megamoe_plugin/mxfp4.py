@@ -8,6 +8,10 @@ A weight matrix [..., N, K] is stored as
                  as torch.float8_e8m0fnu or as uint8 holding the same bits.
 An E2M1 code is a sign bit and three magnitude bits: +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}. Every value and
 product here is exact in float32 (a code times a power of two), so the dequantization is exact.
+
+`to_fp8_blocks` re-encodes such weights as the FP8 128x128 blocks the kernel reads today, exactly
+where each block's scales allow it (its docstring says when): the kernel then runs them at the FP8
+weights' bandwidth, not at 4 bits.
 """
 from __future__ import annotations
 
@@ -91,3 +95,51 @@ def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     scale = (exponent + _E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)
     return packed, scale
+
+
+# A 128x128 block's one float32 scale is 2^(e - 6) for the largest exponent e of its groups that hold a
+# nonzero code, so that the largest code, 6 x 2^6 = 384, stays within e4m3's 448. A group whose shift
+# (its exponent minus the block's) lies in [-8, 6] has every code exact in e4m3 (subnormals included:
+# 0.5 x 2^-8 = 2^-9, e4m3's least value): a block is exact when its groups' exponents span at most 14.
+_FP8_BLOCK = 128
+_TOP_SHIFT = 6
+
+
+def to_fp8_blocks(packed: torch.Tensor, scale: torch.Tensor, exact: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 [..., N, K/2] codes with E8M0 [..., N, K/32] scales -> (e4m3 [..., N, K], float32 block
+    scales [..., N/128, K/128]): the weights' values as FP8 128x128 blocks (megamoe_plugin.fp8), each
+    block's scale a power of two (the comment above says which).
+
+    Exact wherever a block's nonzero groups' exponents span at most 14 (a scale ratio of 2^14 within
+    128 rows x 128 columns), and wherever the far groups' codes happen to fit. Past that, small codes
+    fall below e4m3's least value: with `exact` (the default) a ValueError names the first block that
+    would change; without, those values round to nearest (ties to even) in e4m3.
+    """
+    values = unpack_e2m1(packed)
+    bits = scale_bits(scale).to(torch.int32)
+    n, k = values.shape[-2:]
+    if n % _FP8_BLOCK or k % _FP8_BLOCK:
+        raise ValueError(f"FP8 128x128 blocks need N and K multiples of {_FP8_BLOCK}; the codes of shape "
+                         f"{tuple(packed.shape)} are [..., N={n}, K={k}]")
+    if tuple(bits.shape) != (*values.shape[:-1], k // MXFP4_GROUP):
+        raise ValueError(f"MXFP4 scales of shape {tuple(scale.shape)} do not fit codes of shape {tuple(packed.shape)}")
+    if bool((bits == _E8M0_NAN).any()):
+        raise ValueError("MXFP4 scales hold the E8M0 NaN code (255)")
+    groups_per_block = _FP8_BLOCK // MXFP4_GROUP
+    groups = values.unflatten(-1, (k // MXFP4_GROUP, MXFP4_GROUP))  # [..., N, K/32, 32]
+    live = torch.where((groups != 0).any(dim=-1), bits, -1)  # a group of zeros takes any scale
+    top = live.unflatten(-1, (k // _FP8_BLOCK, groups_per_block)).unflatten(-3, (n // _FP8_BLOCK, _FP8_BLOCK))
+    top = top.amax(dim=(-3, -1))  # [..., N/128, K/128]; -1 where the block is all zeros
+    block_exponent = torch.where(top >= 0, top - _E8M0_BIAS - _TOP_SHIFT, 0)
+    shift = bits - _E8M0_BIAS - block_exponent.repeat_interleave(_FP8_BLOCK, -2).repeat_interleave(groups_per_block, -1)
+    scaled = groups * torch.ldexp(torch.ones_like(shift, dtype=torch.float32), shift).unsqueeze(-1)
+    e4m3 = scaled.flatten(-2).to(torch.float8_e4m3fn)
+    if exact:
+        changed = (e4m3.float() != scaled.flatten(-2)).unflatten(-1, (k // _FP8_BLOCK, _FP8_BLOCK))
+        changed = changed.unflatten(-3, (n // _FP8_BLOCK, _FP8_BLOCK)).any(dim=(-3, -1)).nonzero()
+        if len(changed):
+            where = tuple(changed[0].tolist())
+            raise ValueError(f"MXFP4 weights' 128x128 block {where} does not fit FP8 exactly: its scales span more "
+                             f"than e4m3 holds beside its largest values (at most 2^14 always fits); pass "
+                             f"exact=False to round its smallest values")
+    return e4m3, torch.ldexp(torch.ones_like(block_exponent, dtype=torch.float32), block_exponent)

@@ -146,3 +146,58 @@ def test_the_kernel_path_refuses_mxfp4_by_name():
     w = _valid_mxfp4()
     with pytest.raises(ValueError, match="MXFP4 weights .* FP8 expert weights only so far"):
         transform_weights((w["w13"], w["w13_scale"]), (w["w2"], w["w2_scale"]))
+
+
+def _codes_and_bits(shape_codes, low, high, seed):
+    gen = _gen(seed)
+    packed = _random_codes(shape_codes, gen)
+    bits = torch.randint(low, high + 1, (*shape_codes[:-1], shape_codes[-1] * 2 // 32), generator=gen,
+                         dtype=torch.int32).to(torch.uint8)
+    return packed, bits
+
+
+def test_to_fp8_blocks_is_exact_within_a_span_of_2_to_the_14():
+    packed, bits = _codes_and_bits((2, 256, 192), 108, 122, 11)  # spans up to 14 in every block
+    q, s = mxfp4.to_fp8_blocks(packed, bits.view(torch.float8_e8m0fnu))
+    assert q.dtype == FP8_DTYPE and q.shape == (2, 256, 384) and s.shape == (2, 2, 3)
+    assert torch.equal(torch.frexp(s).mantissa, torch.full_like(s, 0.5))  # powers of two
+    assert torch.equal(dequantize_weight(q, s), mxfp4.dequantize_mxfp4(packed, bits))
+
+
+def test_to_fp8_blocks_names_a_block_it_cannot_hold_and_rounds_on_request():
+    packed = torch.full((1, 128, 64), 0x11, dtype=torch.uint8)  # every code 0.5
+    bits = torch.full((1, 128, 4), 127, dtype=torch.uint8)
+    packed[0, 0, 0] = 0x77  # a 6 in the top group sets the block's scale
+    bits[0, 5, 3] = 127 - 14
+    assert torch.equal(dequantize_weight(*mxfp4.to_fp8_blocks(packed, bits)), mxfp4.dequantize_mxfp4(packed, bits))
+    bits[0, 5, 3] = 127 - 15  # its 0.5 x 2^-15 is below e4m3's least value at this block's scale
+    with pytest.raises(ValueError, match=r"block \(0, 0, 0\) does not fit FP8 exactly"):
+        mxfp4.to_fp8_blocks(packed, bits)
+    rounded = dequantize_weight(*mxfp4.to_fp8_blocks(packed, bits, exact=False))
+    changed = rounded != mxfp4.dequantize_mxfp4(packed, bits)
+    assert changed[0, 5, 96:128].all() and changed.sum() == 32  # that group alone
+
+
+def test_to_fp8_blocks_of_zeros_and_bad_shapes():
+    q, s = mxfp4.to_fp8_blocks(torch.zeros(128, 64, dtype=torch.uint8), torch.zeros(128, 4, dtype=torch.uint8))
+    assert (q.float() == 0).all() and s.tolist() == [[1.0]]
+    with pytest.raises(ValueError, match="multiples of 128"):
+        mxfp4.to_fp8_blocks(torch.zeros(64, 64, dtype=torch.uint8), torch.zeros(64, 4, dtype=torch.uint8))
+
+
+def test_the_reference_on_mxfp4_weights_is_the_reference_on_their_fp8_blocks():
+    gen = _gen(12)
+    weights = []
+    for _ in range(2):
+        w13, w13_bits = _codes_and_bits((2, 256, 128), 115, 125, int(torch.randint(0, 1000, (1,), generator=gen)))
+        w2, w2_bits = _codes_and_bits((2, 256, 64), 115, 125, int(torch.randint(0, 1000, (1,), generator=gen)))
+        weights.append(dict(w13=w13, w13_scale=w13_bits, w2=w2, w2_scale=w2_bits))
+    blocks = []
+    for w in weights:
+        f13, s13 = mxfp4.to_fp8_blocks(w["w13"], w["w13_scale"])
+        f2, s2 = mxfp4.to_fp8_blocks(w["w2"], w["w2_scale"])
+        blocks.append(dict(w13=f13, w13_scale=s13, w2=f2, w2_scale=s2))
+    ranks = [{k: v for k, v in random_inputs(n, 256, 4, 2, "masked", "cpu", gen).items() if k != "hidden_states"}
+             for n in (6, 3)]
+    for y, want in zip(mega_moe(ranks, weights, 4), mega_moe(ranks, blocks, 4)):
+        assert torch.equal(y, want)
