@@ -1,8 +1,8 @@
 """Kernel selection on SM90 parts this project has not measured, with mocked device properties: an
-H20's 78 SMs, an H100 PCIe's 114, and the 132 of the H100 SXM and the H200. The GPU's name picks a
-tuned table only where one ships for that exact name; every other part runs the heuristic, its
-grid is the GPU's own SM count (MEGAMOE_NUM_SMS may only lower it), and every selected variant
-fits the shared memory the GPU offers a block."""
+H20's 78 SMs, an H100 PCIe's 114, the 132 of the H100 SXM and the H200, and a MIG slice of 60. The
+GPU's name picks a tuned table only where one ships for that exact name; every other part runs the
+heuristic, its grid is the GPU's own SM count (MEGAMOE_NUM_SMS may only lower it), and every
+selected variant fits the shared memory the GPU offers a block."""
 import json
 import types
 
@@ -14,7 +14,8 @@ from megamoe_plugin.buffer import BufferShape, SymmBuffer, get_symm_buffer_size
 from megamoe_plugin.configs import REFERENCE_SHAPES, REFERENCE_TOKENS_PER_RANK
 
 # (name as torch reports it, SMs); the opt-in shared memory per block is 227 KiB on every SM90 part.
-GPUS = [("NVIDIA H20", 78), ("NVIDIA H100 PCIe", 114), ("NVIDIA H100 80GB HBM3", 132), ("NVIDIA H200", 132)]
+GPUS = [("NVIDIA H20", 78), ("NVIDIA H100 PCIe", 114), ("NVIDIA H100 80GB HBM3", 132), ("NVIDIA H200", 132),
+        ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 60)]  # a MIG slice: its own name, so no table
 SMEM_OPTIN = 232448
 TOKENS = sorted(set(REFERENCE_TOKENS_PER_RANK) | {3, 17, 100, 300, 1000, 5000})
 
