@@ -312,3 +312,50 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
 
     def apply_monolithic(self, *args, **kwargs):  # pragma: no cover - never selected
         raise NotImplementedError(f"{BACKEND} is a modular (pre-routed) MoE method")
+
+
+class MegaMoEMxfp4MoEMethod(MegaMoEFp8MoEMethod):
+    """MXFP4 experts (DeepSeek-V4-Flash's routed experts: E2M1 codes, one E8M0 scale per 32 input values)
+    on the same kernel: loaded as vLLM's MXFP4 method lays them out, then re-encoded exactly as the FP8
+    128x128 blocks the kernel reads (megamoe_plugin.mxfp4.to_fp8_blocks, which names a block that does
+    not fit), so they run at FP8, not FP4, bandwidth."""
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        """Checkpoint layout as vLLM's Mxfp4MoEMethod creates it: uint8 codes and uint8 E8M0 scales."""
+        from megamoe_plugin.mxfp4 import MXFP4_GROUP
+
+        layer.num_experts = num_experts
+        layer.orig_dtype = params_dtype
+        inter, hidden = intermediate_size_per_partition, hidden_size
+
+        def register(name: str, shape, attrs: dict) -> None:
+            param = torch.nn.Parameter(torch.zeros(shape, dtype=torch.uint8), requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, attrs)
+
+        scale_attrs = dict(extra_weight_attrs, quant_method=FusedMoeWeightScaleSupported.BLOCK.value)
+        register("w13_weight", (num_experts, 2 * inter, hidden // 2), extra_weight_attrs)
+        register("w13_weight_scale", (num_experts, 2 * inter, hidden // MXFP4_GROUP), scale_attrs)
+        register("w2_weight", (num_experts, hidden, inter // 2), extra_weight_attrs)
+        register("w2_weight_scale", (num_experts, hidden, inter // MXFP4_GROUP), scale_attrs)
+        layer.w13_input_scale = None
+        layer.w2_input_scale = None
+
+    def process_weights_after_loading(self, layer) -> None:
+        """MXFP4 -> FP8 128x128 blocks (exact), then the FP8 method's kernel layout."""
+        from megamoe_plugin.mxfp4 import to_fp8_blocks
+
+        if layer.w13_weight.dtype == torch.uint8:  # a second call finds FP8 weights already
+            for stem in ("w13", "w2"):
+                weight = getattr(layer, f"{stem}_weight")
+                codes, block_scales = to_fp8_blocks(weight.data, getattr(layer, f"{stem}_weight_scale").data)
+                weight.data = codes
+                delattr(layer, f"{stem}_weight_scale")
+                layer.register_parameter(f"{stem}_weight_scale_inv",
+                                         torch.nn.Parameter(block_scales, requires_grad=False))
+        super().process_weights_after_loading(layer)
+
+    @property
+    def method_name(self) -> str:
+        return f"MegaMoEMxfp4MoEMethod({BACKEND})"

@@ -156,6 +156,15 @@ def check_quantization(quant_config) -> None:
     support.check_quantization(quant_config, MegaMoEUnsupportedError, HINTS)
 
 
+def check_fp4_experts(moe_quant_algo: str) -> None:
+    """FP4 routed experts (DeepSeek-V4): MXFP4 only, which the plugin re-encodes as FP8 blocks."""
+    if moe_quant_algo and moe_quant_algo.upper() != "MXFP4":
+        raise MegaMoEUnsupportedError(
+            f"the checkpoint's routed experts are {moe_quant_algo} (quantization_config.moe_quant_algo), the "
+            "kernel takes FP8 blocks, and MXFP4 experts re-encoded as FP8 blocks",
+            f"serve a checkpoint with MXFP4 or FP8 routed experts {OTHER_BACKEND}")
+
+
 def check_layer_skipped(prefix: str) -> None:
     raise MegaMoEUnsupportedError(
         f"MoE layer {prefix!r} is excluded from FP8 quantization by the checkpoint (ignored_layers / "

@@ -23,6 +23,7 @@ changes nothing. Nothing here imports torch.cuda state or vLLM's model/kernel mo
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import types
@@ -222,25 +223,52 @@ def _load_fp8_config():
     return MegaMoEFp8Config
 
 
-def _register_fp8_config() -> None:
+def _load_deepseek_v4_config():
+    """Ours over whichever class vLLM itself resolves "deepseek_v4_fp8" to (it picks one by platform):
+    that lookup runs with our entry set aside."""
+    import vllm.model_executor.layers.quantization as quant_mod
+
+    from .quant_config import megamoe_deepseek_v4_config
+
+    registry = quant_mod._CUSTOMIZED_METHOD_TO_QUANT_CONFIG
+    ours = dict.pop(registry, "deepseek_v4_fp8")
+    try:
+        base = quant_mod.get_quantization_config("deepseek_v4_fp8")
+    finally:
+        dict.__setitem__(registry, "deepseek_v4_fp8", ours)
+    return megamoe_deepseek_v4_config(base)
+
+
+def _has_deepseek_v4() -> bool:
+    """Whether this vLLM has DeepSeek-V4's quantization config (looked for on disk: importing its
+    package imports the whole model)."""
+    import vllm
+
+    return any(os.path.exists(os.path.join(path, "models", "deepseek_v4", "quant_config.py"))
+               for path in getattr(vllm, "__path__", []))
+
+
+def _register_quant_configs() -> None:
+    """Our configs over vLLM's "fp8" and, where vLLM has DeepSeek-V4, "deepseek_v4_fp8"."""
     import vllm.model_executor.layers.quantization as quant_mod
 
     registry = getattr(quant_mod, "_CUSTOMIZED_METHOD_TO_QUANT_CONFIG", None)
     if registry is None:
-        # A vLLM without the customized-method dict: register eagerly (heavier import).
+        # A vLLM without the customized-method dict (and without DeepSeek-V4): register eagerly.
         quant_mod.register_quantization_config("fp8")(_load_fp8_config())
         return
-    current = dict.get(registry, "fp8")
-    if current is not None and not isinstance(current, _Pending) and getattr(current, "_megamoe", False):
-        return  # already resolved to our class
+    configs = [("fp8", _load_fp8_config)] + ([("deepseek_v4_fp8", _load_deepseek_v4_config)]
+                                             if _has_deepseek_v4() else [])
     if not isinstance(registry, _LazyQuantConfigs):
-        lazy = _LazyQuantConfigs(registry)
-        quant_mod._CUSTOMIZED_METHOD_TO_QUANT_CONFIG = lazy
-        registry = lazy
-    if current is not None and not isinstance(current, _Pending) and not getattr(current, "_megamoe", False):
-        logger.warning("megamoe_plugin: another plugin registered quantization 'fp8' (%s); the MegaMoE fp8 "
-                       "config replaces it", current)
-    registry.set_lazy("fp8", _load_fp8_config)
+        registry = quant_mod._CUSTOMIZED_METHOD_TO_QUANT_CONFIG = _LazyQuantConfigs(registry)
+    for key, loader in configs:
+        current = dict.get(registry, key)
+        if current is not None and not isinstance(current, _Pending):
+            if getattr(current, "_megamoe", False):
+                continue  # already resolved to our class
+            logger.warning("megamoe_plugin: another plugin registered quantization %r (%s); the MegaMoE config "
+                           "replaces it", key, current)
+        registry.set_lazy(key, loader)
 
 
 # ------------------------------------------------------------------ entry point
@@ -253,7 +281,7 @@ def register() -> None:
         if _registered:
             return
         _patch_passthrough_binding()
-        _register_fp8_config()
+        _register_quant_configs()
         serving.route_logs_to(logger)  # vLLM shows only its "vllm.*" loggers' records
         _registered = True
         logger.debug("megamoe_plugin: registered moe_backend=%r", BACKEND)
