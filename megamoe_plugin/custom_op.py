@@ -25,8 +25,8 @@ import torch
 
 from . import ops
 from .buffer import SymmBuffer, buffer_of, check_open_buffer
-from .weights import unpack_pair
 from .heuristics import Numerics
+from .weights import unpack_pair
 
 OP_NAME = "megamoe::fp8_mega_moe"
 

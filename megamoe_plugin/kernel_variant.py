@@ -28,7 +28,7 @@ class KernelVariant:
     block_m: int
     num_stages: int
     fast_math: bool
-    numerics: Numerics = DEFAULT_NUMERICS  # heuristics.NUMERICS_MODES
+    numerics: Numerics = DEFAULT_NUMERICS
     # Debugging: per-tile clock records (csrc/megamoe/timeline.cuh, megamoe_plugin/timeline.py).
     timeline: bool = False
     # The buffer's pools hold fewer rows than the worst routing needs (buffer.BufferShape.windowed):

@@ -58,14 +58,21 @@ def scale_to_float(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     return torch.where(bits == _E8M0_NAN, torch.full_like(value, float("nan")), value)
 
 
+def _unpack(packed: torch.Tensor, scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The codes' values float32 [..., N, K] and the scales' E8M0 codes int32 [..., N, K/32], checked
+    to fit each other."""
+    values, bits = unpack_e2m1(packed), scale_bits(scale).to(torch.int32)
+    expected = (*values.shape[:-1], values.shape[-1] // MXFP4_GROUP)
+    if tuple(bits.shape) != expected:
+        raise ValueError(f"MXFP4 scales of shape {tuple(scale.shape)} do not fit codes of shape {tuple(packed.shape)}: "
+                         f"expected [..., N, K/{MXFP4_GROUP}] = {expected}")
+    return values, bits
+
+
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """uint8 [..., N, K/2] and E8M0 [..., N, K/32] -> float32 [..., N, K], exactly."""
-    values = unpack_e2m1(packed)
-    scales = scale_to_float(scale)
-    if tuple(scales.shape[:-1]) != tuple(values.shape[:-1]) or scales.shape[-1] * MXFP4_GROUP != values.shape[-1]:
-        raise ValueError(f"MXFP4 scales of shape {tuple(scale.shape)} do not fit codes of shape {tuple(packed.shape)}: "
-                         f"expected [..., N, K/{MXFP4_GROUP}] = {(*values.shape[:-1], values.shape[-1] // MXFP4_GROUP)}")
-    return values * scales.repeat_interleave(MXFP4_GROUP, dim=-1)
+    values, _ = _unpack(packed, scale)
+    return values * scale_to_float(scale).repeat_interleave(MXFP4_GROUP, dim=-1)
 
 
 def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -115,14 +122,11 @@ def to_fp8_blocks(packed: torch.Tensor, scale: torch.Tensor, exact: bool = True)
     fall below e4m3's least value: with `exact` (the default) a ValueError names the first block that
     would change; without, those values round to nearest (ties to even) in e4m3.
     """
-    values = unpack_e2m1(packed)
-    bits = scale_bits(scale).to(torch.int32)
+    values, bits = _unpack(packed, scale)
     n, k = values.shape[-2:]
     if n % _FP8_BLOCK or k % _FP8_BLOCK:
         raise ValueError(f"FP8 128x128 blocks need N and K multiples of {_FP8_BLOCK}; the codes of shape "
                          f"{tuple(packed.shape)} are [..., N={n}, K={k}]")
-    if tuple(bits.shape) != (*values.shape[:-1], k // MXFP4_GROUP):
-        raise ValueError(f"MXFP4 scales of shape {tuple(scale.shape)} do not fit codes of shape {tuple(packed.shape)}")
     if bool((bits == _E8M0_NAN).any()):
         raise ValueError("MXFP4 scales hold the E8M0 NaN code (255)")
     groups_per_block = _FP8_BLOCK // MXFP4_GROUP

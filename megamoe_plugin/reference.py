@@ -155,8 +155,7 @@ def _validate_shared(shared, shared_scale, hidden: int, device: torch.device) ->
     if shared is None:
         return
     _require_keys(shared, _WEIGHT_KEYS, "shared")
-    _, shared_hidden, _ = validate_checkpoint_weights(*(shared[key] for key in _WEIGHT_KEYS),
-                                                                        where="shared")
+    _, shared_hidden, _ = validate_checkpoint_weights(*(shared[key] for key in _WEIGHT_KEYS), where="shared")
     if shared_hidden != hidden:
         raise ValueError(f"shared['w13'] has H={shared_hidden}, the routed experts H={hidden}: they must be equal")
     for key in _WEIGHT_KEYS:

@@ -12,8 +12,8 @@ from typing import Dict, Optional
 import torch
 
 from . import abi, native
-from .watchdog import Watchdog
 from .heuristics import Numerics
+from .watchdog import Watchdog
 
 # Why a kernel stopped (csrc/megamoe/abi.h ErrorCode: the low byte of HostWords::error).
 _ERROR_NAMES = {

@@ -37,6 +37,7 @@ import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+
 from .heuristics import Numerics
 
 # The package's logger and this module's, below it; route_logs_to hands their records to a

@@ -10,8 +10,8 @@ import torch
 
 from . import settings
 from .buffer import check_open_buffer
-from .weights import unpack_pair
 from .heuristics import Numerics
+from .weights import unpack_pair
 
 
 def require_sm90(device: torch.device) -> None:

@@ -48,7 +48,6 @@ BLOCK = 128
 GATE_UP_INTERLEAVE = 8
 
 WeightPair = Tuple[torch.Tensor, torch.Tensor]
-WEIGHT_FORMATS = ("fp8", "mxfp4")
 
 
 def weight_format(w: torch.Tensor) -> str:

@@ -5,9 +5,10 @@ still written and the run says so."""
 from __future__ import annotations
 
 import json
-from ..heuristics import Numerics
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+from ..heuristics import Numerics
 
 COLUMNS = (("config", "8s", "config"), ("numerics", "8s", "numerics"), ("tokens", "6d", "tokens"),
            ("time_us", "9.1f", "time_us"), ("TFLOPS", "7.1f", "tflops"), ("floor_us", "9.1f", "floor_us"),

@@ -168,6 +168,18 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
         self.runtime.run(output, hidden_states, topk_ids, topk_weights, l1, l2)
 
 
+def _register(layer, name: str, tensor: torch.Tensor, attrs: dict) -> None:
+    """A checkpoint-layout parameter of the layer, with the attributes vLLM's weight loader reads."""
+    param = torch.nn.Parameter(tensor, requires_grad=False)
+    layer.register_parameter(name, param)
+    set_weight_attrs(param, attrs)
+
+
+def _block_scale_attrs(extra_weight_attrs: dict) -> dict:
+    """A scale tensor's loader attributes: vLLM's loader narrows it to each shard as it does its weight."""
+    return dict(extra_weight_attrs, quant_method=FusedMoeWeightScaleSupported.BLOCK.value)
+
+
 class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
     """128x128 block FP8 MoE on the MegaMoE kernel (see the module docstring)."""
 
@@ -215,19 +227,13 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
         layer.weight_block_size = list(self.weight_block_size)
         inter, hidden = intermediate_size_per_partition, hidden_size
         fp8 = torch.float8_e4m3fn
-
-        def register(name: str, tensor: torch.Tensor, attrs: dict) -> None:
-            param = torch.nn.Parameter(tensor, requires_grad=False)
-            layer.register_parameter(name, param)
-            set_weight_attrs(param, attrs)
-
-        register("w13_weight", torch.empty(num_experts, 2 * inter, hidden, dtype=fp8), extra_weight_attrs)
-        register("w2_weight", torch.empty(num_experts, hidden, inter, dtype=fp8), extra_weight_attrs)
-        scale_attrs = dict(extra_weight_attrs, quant_method=FusedMoeWeightScaleSupported.BLOCK.value)
-        register("w13_weight_scale_inv",
-                 torch.ones(num_experts, 2 * (inter // BLOCK), hidden // BLOCK, dtype=torch.float32), scale_attrs)
-        register("w2_weight_scale_inv",
-                 torch.ones(num_experts, hidden // BLOCK, inter // BLOCK, dtype=torch.float32), scale_attrs)
+        scale_attrs = _block_scale_attrs(extra_weight_attrs)
+        _register(layer, "w13_weight", torch.empty(num_experts, 2 * inter, hidden, dtype=fp8), extra_weight_attrs)
+        _register(layer, "w2_weight", torch.empty(num_experts, hidden, inter, dtype=fp8), extra_weight_attrs)
+        _register(layer, "w13_weight_scale_inv",
+                  torch.ones(num_experts, 2 * (inter // BLOCK), hidden // BLOCK, dtype=torch.float32), scale_attrs)
+        _register(layer, "w2_weight_scale_inv",
+                  torch.ones(num_experts, hidden // BLOCK, inter // BLOCK, dtype=torch.float32), scale_attrs)
         layer.w13_input_scale = None
         layer.w2_input_scale = None
 
@@ -328,17 +334,12 @@ class MegaMoEMxfp4MoEMethod(MegaMoEFp8MoEMethod):
         layer.num_experts = num_experts
         layer.orig_dtype = params_dtype
         inter, hidden = intermediate_size_per_partition, hidden_size
-
-        def register(name: str, shape, attrs: dict) -> None:
-            param = torch.nn.Parameter(torch.zeros(shape, dtype=torch.uint8), requires_grad=False)
-            layer.register_parameter(name, param)
-            set_weight_attrs(param, attrs)
-
-        scale_attrs = dict(extra_weight_attrs, quant_method=FusedMoeWeightScaleSupported.BLOCK.value)
-        register("w13_weight", (num_experts, 2 * inter, hidden // 2), extra_weight_attrs)
-        register("w13_weight_scale", (num_experts, 2 * inter, hidden // MXFP4_GROUP), scale_attrs)
-        register("w2_weight", (num_experts, hidden, inter // 2), extra_weight_attrs)
-        register("w2_weight_scale", (num_experts, hidden, inter // MXFP4_GROUP), scale_attrs)
+        scale_attrs = _block_scale_attrs(extra_weight_attrs)
+        for name, shape, attrs in (("w13_weight", (num_experts, 2 * inter, hidden // 2), extra_weight_attrs),
+                                   ("w13_weight_scale", (num_experts, 2 * inter, hidden // MXFP4_GROUP), scale_attrs),
+                                   ("w2_weight", (num_experts, hidden, inter // 2), extra_weight_attrs),
+                                   ("w2_weight_scale", (num_experts, hidden, inter // MXFP4_GROUP), scale_attrs)):
+            _register(layer, name, torch.zeros(shape, dtype=torch.uint8), attrs)
         layer.w13_input_scale = None
         layer.w2_input_scale = None
 

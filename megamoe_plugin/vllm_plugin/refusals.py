@@ -15,8 +15,8 @@ import logging
 from typing import Dict, List, Optional, Tuple
 
 from .. import support
-from . import BACKEND
 from ..heuristics import Numerics
+from . import BACKEND
 
 logger = logging.getLogger("vllm.megamoe_sm90")
 

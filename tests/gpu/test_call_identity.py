@@ -166,22 +166,16 @@ def test_calls_that_differ_stop_every_rank_by_name(case, differs, num_ranks, tmp
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
-def test_a_rank_that_never_calls_is_named(num_ranks, tmp_path):
-    by_rank = _run("missing", num_ranks, tmp_path)
+@pytest.mark.parametrize("case, waited_for", [
+    ("missing", "the cross-rank barrier: rank {astray} never arrived"),  # a rank that never calls
+    ("stopped", "the (rows of a token to combine|L1 rows|pulled rows)"),  # one that stops after the barrier
+])
+def test_a_rank_that_leaves_a_call_undone_is_named_by_the_others(case, waited_for, num_ranks, tmp_path):
+    by_rank = _run(case, num_ranks, tmp_path)
     astray = num_ranks - 1
     for rank in range(astray):
         error = by_rank[rank].get("error") or ""
-        assert f"timed out waiting on the cross-rank barrier: rank {astray} never arrived" in error, error
-    assert "error" not in by_rank[astray]
-
-
-@pytest.mark.parametrize("num_ranks", [2, 4])
-def test_a_rank_that_stops_after_the_barrier_fails_the_others_by_name(num_ranks, tmp_path):
-    by_rank = _run("stopped", num_ranks, tmp_path)
-    astray = num_ranks - 1
-    for rank in range(astray):
-        error = by_rank[rank].get("error") or ""
-        assert re.search(r"timed out waiting on the (rows of a token to combine|L1 rows|pulled rows)", error), error
+        assert re.search("timed out waiting on " + waited_for.format(astray=astray), error), error
     assert "error" not in by_rank[astray]
 
 
