@@ -23,7 +23,8 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 # Elements per E8M0 scale, along the input dimension.
 MXFP4_GROUP = 32
-SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+# torch.float8_e8m0fnu exists from torch 2.7 on; the package imports on the older torch setup.py allows.
+SCALE_DTYPES = tuple(dtype for dtype in (getattr(torch, "float8_e8m0fnu", None), torch.uint8) if dtype is not None)
 # E8M0's all-ones code is NaN (OCP MX); a checkpoint never stores it.
 _E8M0_NAN = 255
 _E8M0_BIAS = 127
@@ -76,7 +77,8 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """float [..., N, K] -> (packed uint8 [..., N, K/2], E8M0 torch.float8_e8m0fnu [..., N, K/32]).
+    """float [..., N, K] -> (packed uint8 [..., N, K/2], E8M0 scales [..., N, K/32]: torch.float8_e8m0fnu,
+    uint8 before torch 2.7).
 
     The OCP MX rule: each group's scale is 2^(floor(log2(amax)) - 2), so that the group's largest
     magnitude lands in [4, 8) before rounding (6 is E2M1's largest value: values past it saturate);
@@ -100,8 +102,8 @@ def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
               == distance.gather(-1, index.unsqueeze(-1)).squeeze(-1)) & (index % 2 == 1) & (index < 7)
     codes = ((index + tie_up.long()) | torch.where(scaled < 0, 8, 0)).to(torch.uint8).flatten(-2)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    scale = (exponent + _E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)
-    return packed, scale
+    scale = (exponent + _E8M0_BIAS).to(torch.uint8)
+    return packed, scale.view(SCALE_DTYPES[0])  # as uint8 bits where torch lacks float8_e8m0fnu
 
 
 # A 128x128 block's one float32 scale is 2^(e - 6) for the largest exponent e of its groups that hold a
