@@ -96,6 +96,31 @@ def requantize_groups(act: torch.Tensor, group_size: int) -> Tuple[torch.Tensor,
     return _quantize_groups(act, group_size, "act")
 
 
+def requant_tie_deltas(act: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group_size: int,
+                       act_error: torch.Tensor) -> torch.Tensor:
+    """Where per-group requantization (q, s of `act`) may round the other way, what that changes.
+
+    act / s is rounded to the nearest e4m3 value. Where another evaluation of act, at most
+    `act_error` (absolute, per element) away, may lie beyond the midpoint between q and the e4m3
+    value on act's side of it, that evaluation rounds to the other value: a tie. Returns float64
+    [..., N]: the dequantized change (other value - q) * s at each tie, 0 elsewhere.
+    """
+    _check_dtype(q, "q", FP8_DTYPE)
+    scale = s.double().repeat_interleave(group_size, dim=-1)
+    v = act.double() / scale
+    q_value = q.double()
+    codes = q.view(torch.uint8).long()
+    # e4m3 magnitudes ascend with the code's low 7 bits: the neighbour on v's side of q is one
+    # code up or down. v == q (no neighbour to tie with) and 448's upper side (nothing above) stay q.
+    away = v.abs() > q_value.abs()
+    magnitude = torch.where(away, (codes & 0x7F) + 1, (codes & 0x7F) - 1).clamp(0, 0x7E)
+    sign = torch.where(v < 0, 0x80, 0)
+    other = (sign | magnitude).to(torch.uint8).view(FP8_DTYPE).double()
+    midpoint = (q_value + other) / 2
+    tie = ((v - midpoint).abs() * scale <= act_error.double()) & (v != q_value) & (other != q_value)
+    return torch.where(tie, (other - q_value) * scale, 0.0)
+
+
 def dequantize_per_token_group(q: torch.Tensor, s: torch.Tensor, group_size: int = 128) -> torch.Tensor:
     """q [..., H] fp8, s [..., H / group_size] float32 -> float32 [..., H]."""
     _check_dtype(q, "q", FP8_DTYPE)

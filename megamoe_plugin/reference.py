@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .fp8 import FP8_DTYPE, dequantize_per_token_group, requantize_groups
+from .fp8 import FP8_DTYPE, dequantize_per_token_group, requant_tie_deltas, requantize_groups
 from .weights import dequantize_weight, validate_checkpoint_weights, weight_format
 
 INPUT_GROUP = 128
@@ -257,6 +257,67 @@ def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[st
         combined += l2_out.to(torch.bfloat16).float()
     ys = list(combined.to(torch.bfloat16).split(tokens_per_rank))
     return (ys, intermediates) if return_intermediates else ys
+
+
+# Step 4 rounds act / s to the nearest e4m3 value. A float32-faithful kernel sums the L1 GEMM in
+# another order than the reference, so its act differs by a little, and where the reference's act / s
+# lies that close to the midpoint of two e4m3 values the kernel may round it the other way. On a
+# token's dominant element that moves the token by up to 1/16 of the element: a slot 1.29e-2 off in a
+# 64-token call (H 2048, I 768) on an H100. How far the kernel's act may be (tie_allowances):
+# - the L1 output h_j within L1_SUM_ERROR * sum_k |a_k B_jk| (float32 sums of products of either
+#   sign; cancellation makes a small h_j's relative error large),
+# - silu, the products and the scale within ACT_ROUNDING_ERROR * |act| (a few float32 roundings).
+L1_SUM_ERROR = 2.0 ** -16
+ACT_ROUNDING_ERROR = 2.0 ** -19
+SILU_MAX_SLOPE = 1.1  # |d silu(g) / dg| <= 1.0998
+
+
+def act_error_bound(l1_out: torch.Tensor, l1_magnitude: torch.Tensor, routing_weight: torch.Tensor,
+                    act: torch.Tensor) -> torch.Tensor:
+    """How far (absolute, float64 [n, I]) a float32-faithful evaluation's act may be from this one:
+    l1_out [n, 2I] the L1 output (gate, up), l1_magnitude [n, 2I] its sum_k |a_k B_jk|, routing_weight
+    [n], act [n, I] (see L1_SUM_ERROR)."""
+    intermediate = l1_out.shape[1] // 2
+    gate, up = l1_out[:, :intermediate].double(), l1_out[:, intermediate:].double()
+    gate_error, up_error = (L1_SUM_ERROR * l1_magnitude.double()).split(intermediate, dim=1)
+    weight = routing_weight.double().abs().unsqueeze(1)
+    return (weight * (SILU_MAX_SLOPE * up.abs() * gate_error + F.silu(gate).abs() * up_error)
+            + ACT_ROUNDING_ERROR * act.double().abs())
+
+
+def tie_allowances(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[str, torch.Tensor]],
+                   num_experts: int, activation_clamp: Optional[float] = None,
+                   requant_group: int = 128) -> List[torch.Tensor]:
+    """Per rank, float64 [T_r]: how far (L2) each token's output may move from the reference's when a
+    float32-faithful evaluation rounds step 4's ties (act_error_bound) the other way: the sum, over its
+    slots' tie codes, of the code's change times the norm of the L2 weight column it multiplies. 0 for
+    a token with no tie. Arguments as mega_moe's (routed experts only)."""
+    num_local_experts = num_experts // len(ranks)
+    _, per_expert = mega_moe(ranks, weights, num_experts, activation_clamp, requant_group, return_intermediates=True)
+    # All ranks' tokens stacked rank-major, as mega_moe does: row first_row[r] + t is token t of rank r.
+    a_abs = torch.cat([dequantize_per_token_group(inputs["x"], inputs["x_sf"], INPUT_GROUP).abs() for inputs in ranks])
+    topk_weights = torch.cat([inputs["topk_weights"] for inputs in ranks])
+    tokens_per_rank = torch.tensor([inputs["x"].shape[0] for inputs in ranks], device=a_abs.device)
+    first_row = torch.cumsum(tokens_per_rank, 0) - tokens_per_rank
+    allowances = [torch.zeros(inputs["x"].shape[0], dtype=torch.float64, device=inputs["x"].device)
+                  for inputs in ranks]
+    for expert, rows in enumerate(per_expert):
+        if rows["src"].shape[0] == 0:
+            continue
+        w = weights[expert // num_local_experts]
+        local = expert % num_local_experts
+        src_rank, src_token, src_slot = rows["src"].unbind(1)
+        stacked = first_row[src_rank] + src_token
+        magnitude = _matmul_nt(a_abs[stacked], dequantize_weight(w["w13"][local], w["w13_scale"][local]).abs())
+        routing_weight = topk_weights[stacked, src_slot]
+        error = act_error_bound(rows["l1_out"], magnitude, routing_weight, rows["act"])
+        deltas = requant_tie_deltas(rows["act"], rows["act_q"], rows["act_sf"], requant_group, error)
+        column_norms = dequantize_weight(w["w2"][local], w["w2_scale"][local]).double().norm(dim=0)
+        moved = deltas.abs() @ column_norms
+        for r, allowance in enumerate(allowances):
+            mine = src_rank == r
+            allowance.index_add_(0, src_token[mine], moved[mine])
+    return allowances
 
 
 # docs/design.md section 2's bounds per numerics mode, (calc_diff, every token's relative L2 error),

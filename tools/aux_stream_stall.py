@@ -139,15 +139,15 @@ def main():
             kernel_alone, gemm_alone = times["alone"][0], times["gemm"][1]
             stall = max(times["gemm1st"][0], times["kernel1st"][0]) - kernel_alone
             verdict = "STALL" if stall >= 0.5 * gemm_alone else "ok"
-            layer = {order: max(times[order]) for order in ("gemm1st", "kernel1st", "serial")}
+            layer_us = {order: max(times[order]) for order in ("gemm1st", "kernel1st", "serial")}
             row = dict(sms=sms, tokens=n, gemm=args.gemm, kernel_alone_us=kernel_alone, gemm_alone_us=gemm_alone,
                        gemm_first_us=times["gemm1st"], kernel_first_us=times["kernel1st"], serial_us=times["serial"],
-                       stall_us=stall, layer_us=layer, verdict=verdict)
+                       stall_us=stall, layer_us=layer_us, verdict=verdict)
             rows.append(row)
             print(f"{sms:4d} {n:6d} {kernel_alone:8.1f} {gemm_alone:7.1f} "
                   f"{times['gemm1st'][0]:7.1f}/{times['gemm1st'][1]:7.1f} "
                   f"{times['kernel1st'][0]:7.1f}/{times['kernel1st'][1]:7.1f} {stall:7.1f} "
-                  f"{layer['gemm1st']:14.1f} {layer['kernel1st']:9.1f} {layer['serial']:7.1f}  {verdict}", flush=True)
+                  f"{layer_us['gemm1st']:14.1f} {layer_us['kernel1st']:9.1f} {layer_us['serial']:7.1f}  {verdict}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
