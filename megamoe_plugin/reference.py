@@ -267,7 +267,10 @@ def mega_moe(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[Dict[st
 # - the L1 output h_j within L1_SUM_ERROR * sum_k |a_k B_jk| (float32 sums of products of either
 #   sign; cancellation makes a small h_j's relative error large),
 # - silu, the products and the scale within ACT_ROUNDING_ERROR * |act| (a few float32 roundings).
-L1_SUM_ERROR = 2.0 ** -16
+# Measured on an H100 in exact mode (H 2048, I 768, 2 x 12288 rows): 139 of 18.9M codes rounded
+# otherwise than the reference, all to the neighbouring value; beside the rounding term, none needed
+# more than 2^-28 of sum |a b|, so L1_SUM_ERROR leaves a margin of 16.
+L1_SUM_ERROR = 2.0 ** -24
 ACT_ROUNDING_ERROR = 2.0 ** -19
 SILU_MAX_SLOPE = 1.1  # |d silu(g) / dg| <= 1.0998
 
