@@ -266,11 +266,10 @@ class _SharedExpert(torch.nn.Module):
 
 
 @pytest.mark.parametrize("n", [0, 3, 64])
-def test_the_method_runs_the_shared_experts_before_the_kernel_not_beside_it(vllm_config, dist_env,
-                                                                            reference_executor, n):
+def test_the_method_runs_the_shared_experts_itself(vllm_config, dist_env, reference_executor, n):
     """vLLM lets the method run the shared experts (they would otherwise go to an auxiliary stream
-    beside the persistent kernel at small batches); the layer's output is routed + shared, the shared
-    experts run once per call."""
+    launched before the persistent kernel at small batches); the layer's output is routed + shared, the
+    shared experts run once per call."""
     from megamoe_plugin.vllm_plugin import compat
 
     order = compat.shared_experts_in_method_order()
@@ -287,6 +286,58 @@ def test_the_method_runs_the_shared_experts_before_the_kernel_not_beside_it(vllm
     if n:
         _assert_close(y, want)
     assert y.shape == (n, HIDDEN)
+
+
+def test_shared_experts_launch_after_the_kernel_on_a_side_stream_the_layer_joins(monkeypatch):
+    """The stream protocol of _SharedExpertsAfterKernel, on recording stand-ins for CUDA streams and
+    events: the side stream starts where the layer's stream stood before the kernel, the shared experts
+    are launched after the kernel, the layer's stream waits for them; one side stream per layer stream."""
+    import contextlib
+
+    from megamoe_plugin.vllm_plugin.moe_method import _SharedExpertsAfterKernel
+
+    log, made = [], []
+
+    class Stream:
+        def __init__(self, name=None):
+            self.name = name or f"side{len(made)}"
+            made.append(self.name)
+
+        def wait_event(self, event):
+            log.append(("wait", self.name, event.name))
+
+    class Event:
+        def __init__(self):
+            self.name = f"event{len(made)}"
+            made.append(self.name)
+
+        def record(self, stream):
+            log.append(("record", self.name, stream.name))
+
+    current = [Stream("layer")]
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        before, current[0] = current[0], stream
+        yield
+        current[0] = before
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    runner = _SharedExpertsAfterKernel()
+    for call in range(2):
+        log.clear()
+        out = runner.run(lambda: log.append(("kernel", current[0].name)) or "y",
+                         lambda: log.append(("shared", current[0].name)), on_cuda=True)
+        assert out == "y" and current[0].name == "layer"
+        assert log == [("record", "event2", "layer"), ("kernel", "layer"), ("wait", "side1", "event2"),
+                       ("shared", "side1"), ("record", "event3", "side1"), ("wait", "layer", "event3")], (call, log)
+    assert made == ["layer", "side1", "event2", "event3"]  # made once
+    log.clear()
+    runner.run(lambda: log.append("kernel"), lambda: log.append("shared"), on_cuda=False)
+    assert log == ["shared", "kernel"]  # no streams on the CPU
 
 
 def test_layers_of_one_shape_share_one_buffer(vllm_config, dist_env, reference_executor):
