@@ -246,7 +246,8 @@ class SymmBuffer:
     """One rank's symmetric buffer plus the peers' addresses of theirs.
 
     `x`, `x_sf`, `topk_idx`, `topk_weights` are views the caller fills for the first n
-    tokens before `fp8_mega_moe` (or lets `stage_inputs` fill them).
+    tokens before `fp8_mega_moe` (or lets `stage_inputs` fill them); `mark_staged(n)` lets
+    the call check that y has no more rows than were filled.
 
     Usually made by `get_symm_buffer`; constructed directly, `storage` is this rank's
     zeroed uint8 buffer of `get_symm_buffer_size(...)` bytes and `peer_ptrs[r]` the address
@@ -276,6 +277,7 @@ class SymmBuffer:
         for name in ("x", "x_sf", "topk_idx", "topk_weights"):
             setattr(self, name, self.view(name))
         self.closed = False
+        self._staged_tokens: Optional[int] = None  # mark_staged's count, until the next call takes it
         self._last_stream: Optional[torch.cuda.Stream] = None  # of the latest eager work (order_after_last_use)
         # What others built for this buffer (ops: kernel params and their device memory) is
         # released through these, at close() or when the buffer is collected. Not at exit:
@@ -287,6 +289,20 @@ class SymmBuffer:
         # torch custom op (megamoe_plugin/custom_op.py), which resolves it with buffer_of.
         self.key = next(_buffer_keys)
         _live_buffers[self.key] = self
+
+    def mark_staged(self, num_tokens: int) -> None:
+        """Records that the first `num_tokens` rows of x / x_sf / topk_idx / topk_weights hold the next
+        call's inputs; the next `fp8_mega_moe` on this buffer refuses a y with more rows (they would
+        run on stale inputs). `stage_inputs` calls it; a caller that writes the views itself may."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        self._staged_tokens = num_tokens
+
+    def take_staged_tokens(self) -> Optional[int]:
+        """The count of the latest mark_staged since the previous call, or None; the call takes it
+        (a later call on inputs written without mark_staged is not held to it)."""
+        staged, self._staged_tokens = self._staged_tokens, None
+        return staged
 
     def on_close(self, release: Callable[[], None]) -> None:
         """Runs `release()` when the buffer is closed or garbage-collected. It must not refer

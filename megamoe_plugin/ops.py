@@ -284,7 +284,8 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
                  config_num_tokens: Optional[int] = None, numerics: Optional[Numerics] = None,
                  _stop_after_phase: int = 0, _timeline: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fused MoE of docs/design.md section 2 for this rank's first y.shape[0] tokens,
-    whose inputs the caller wrote into buf.x / x_sf / topk_idx / topk_weights.
+    whose inputs the caller wrote into buf.x / x_sf / topk_idx / topk_weights (stage_inputs does, and
+    records how many: a y with more rows than that is refused, SymmBuffer.mark_staged).
     Every rank of the buffer's group calls it each step (also with 0 tokens), with the same
     layers in the same order, in the same numerics mode and fast_math: the ranks compare each
     call's identity (the layer's ordinal on the buffer, numerics, fast_math) at the kernel's
@@ -307,7 +308,7 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     goes: the call runs its variant built with per-tile clock records, which it writes there."""
     try:
         validation.validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats,
-                                 config_num_tokens)
+                                 config_num_tokens, buf.take_staged_tokens() if isinstance(buf, SymmBuffer) else None)
         numerics = validation.resolve_numerics(numerics)
         if _timeline is not None:
             validation.check_tensor(_timeline, "_timeline (ops.timeline_for)", torch.int64, _timeline_shape(buf),

@@ -5,7 +5,8 @@
                               bit-identical to `megamoe_plugin.fp8.quantize_per_token_group`
     buf.topk_idx[:n]          topk_idx as int64
     buf.topk_weights[:n]      topk_weights as float32
-and returns n.
+and returns n, which it records on the buffer (SymmBuffer.mark_staged): the next call refuses
+a y of more rows.
 
 On CUDA this is ONE Triton kernel (grid: tokens x blocks of 128-column groups; the
 first group block of each token also copies its top-k ids and weights). It reads the
@@ -93,13 +94,12 @@ def stage_inputs(buf, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_
     Raises ValueError/TypeError naming the argument before writing anything.
     """
     n = _check(buf, hidden_states, topk_idx, topk_weights)
-    if n == 0:
-        return 0
-    if buf.device.type == "cuda":
+    if n > 0 and buf.device.type == "cuda":
         buf.order_after_last_use()
         _stage_triton(buf, hidden_states, topk_idx, topk_weights, n)
-    else:
+    elif n > 0:
         _stage_torch(buf, hidden_states, topk_idx, topk_weights, n)
+    buf.mark_staged(n)
     return n
 
 

@@ -103,6 +103,7 @@ def fill_buffer(buf, inputs: Dict[str, torch.Tensor]) -> int:
     n = inputs["x"].shape[0]
     for name in ("x", "x_sf", "topk_idx", "topk_weights"):
         getattr(buf, name)[:n].copy_(inputs[name])
+    buf.mark_staged(n)
     return n
 
 

@@ -46,8 +46,9 @@ def resolve_numerics(numerics: Optional[Numerics]) -> Numerics:
 
 
 def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats,
-                  config_num_tokens=None) -> None:
-    """Every check of a call, before anything is launched (docs/design.md section 3)."""
+                  config_num_tokens=None, staged_tokens=None) -> None:
+    """Every check of a call, before anything is launched (docs/design.md section 3).
+    `staged_tokens`: the rows staged for this call (SymmBuffer.take_staged_tokens), None if unknown."""
     check_open_buffer(buf)
     s, dev = buf.shape, buf.device
     el, h, i = s.num_local_experts, s.hidden, s.intermediate_size
@@ -59,6 +60,10 @@ def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_
         raise ValueError(f"y has {y.shape[0]} tokens, more than the buffer's num_max_tokens_per_rank="
                          f"{s.num_max_tokens_per_rank}")
     check_tensor(y, "y", torch.bfloat16, (y.shape[0], h), dev)
+    if staged_tokens is not None and y.shape[0] > staged_tokens:
+        raise ValueError(f"y has {y.shape[0]} rows but {staged_tokens} tokens were staged for this call "
+                         f"(stage_inputs / SymmBuffer.mark_staged): rows {staged_tokens} to {y.shape[0] - 1} would "
+                         "run on stale inputs; pass y[:n] with the n that stage_inputs returned")
     w13, w13_scale = unpack_pair(l1, "l1")
     w2, w2_scale = unpack_pair(l2, "l2")
     check_tensor(w13, "l1 weight (w13)", torch.float8_e4m3fn, (el, 2 * i, h), dev)

@@ -99,6 +99,32 @@ def test_valid_call_without_sm90_gpu_raises_runtime_error(setup):
         mm.fp8_mega_moe(y_of(), layer.l1, layer.l2, buf)
 
 
+def test_y_with_more_rows_than_staged_is_refused(setup):
+    layer, buf = setup
+
+    def stage(n):
+        return mm.stage_inputs(buf, torch.randn(n, H).to(torch.bfloat16), torch.zeros(n, K, dtype=torch.int64),
+                               torch.ones(n, K))
+
+    assert stage(3) == 3
+    with pytest.raises(ValueError, match=r"y has 4 rows but 3 tokens were staged for this call .* rows 3 to 3 "
+                                         r"would run on stale inputs"):
+        mm.fp8_mega_moe(y_of(4), layer.l1, layer.l2, buf)
+    # The refused call took the count: a call on inputs written without mark_staged is not held to it.
+    with pytest.raises(RuntimeError, match="SM90"):
+        mm.fp8_mega_moe(y_of(4), layer.l1, layer.l2, buf)
+    for staged_rows, y_rows in ((4, 4), (4, 2), (0, 0)):  # as many rows as staged, or fewer, pass the check
+        stage(staged_rows)
+        with pytest.raises(RuntimeError, match="SM90"):
+            mm.fp8_mega_moe(y_of(y_rows), layer.l1, layer.l2, buf)
+    buf.mark_staged(1)  # a caller that writes the views itself declares its count the same way
+    with pytest.raises(ValueError, match="y has 2 rows but 1 tokens were staged"):
+        mm.fp8_mega_moe(y_of(2), layer.l1, layer.l2, buf)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="num_tokens must be a non-negative int"):
+            buf.mark_staged(bad)
+
+
 @pytest.mark.parametrize("value, expected", [(None, None), ("", None), ("8", 8), ("32", 32), ("64", 64),
                                                      ("128", 128)])
 def test_forced_block_m(monkeypatch, value, expected):

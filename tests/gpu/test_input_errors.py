@@ -120,3 +120,16 @@ def test_bad_expert_id_in_a_graph_replay_is_logged_and_raised(setup, caplog):
         _run(buf, layer, inputs)  # the next eager call
     _run(buf, layer, inputs)
     mm.ops.synchronize()
+
+
+def test_y_with_more_rows_than_staged_is_refused_and_the_next_call_is_right(setup):
+    """stage_inputs records how many rows it staged; a call whose y has more (they would run on
+    stale rows) raises before it launches, and the buffer's next call computes right."""
+    buf, layer, inputs = setup
+    n = mm.stage_inputs(buf, inputs["hidden_states"][:NUM_TOKENS - 1], inputs["topk_idx"][:NUM_TOKENS - 1],
+                        inputs["topk_weights"][:NUM_TOKENS - 1])
+    y = torch.full((NUM_TOKENS, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match=f"y has {NUM_TOKENS} rows but {n} tokens were staged"):
+        mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
+    mm.ops.synchronize()
+    check_outputs([_run(buf, layer, inputs)], [inputs], [layer], EXPERTS, "fast")
