@@ -90,13 +90,38 @@ class BufferShape:
     # than the worst routing needs make calls that receive more run in windows (tests force small
     # pools with it).
     pool_rows: Optional[int] = None
+    # Shared experts S (docs/design.md section 2) the kernel runs as local experts of every rank:
+    # num_experts and num_topk above are the kernel's, S of each rank's local experts (after its
+    # routed ones) and S of each token's slots (after its routed ones) are theirs (of_routed).
+    num_shared_experts: int = 0
+
+    @classmethod
+    def of_routed(cls, num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
+                  intermediate_size: int, pool_rows: Optional[int] = None, num_shared_experts: int = 0
+                  ) -> "BufferShape":
+        """The shape for `num_experts` routed experts, `num_topk` routed slots per token and
+        `num_shared_experts` shared experts."""
+        for name, value in (("num_experts", num_experts), ("num_topk", num_topk),
+                            ("num_shared_experts", num_shared_experts)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts={num_shared_experts} is invalid: expected >= 0")
+        if num_shared_experts and num_topk + num_shared_experts > MAX_TOPK:
+            raise ValueError(f"num_topk={num_topk} routed plus num_shared_experts={num_shared_experts} shared slots per "
+                             f"token is more than the kernel's {MAX_TOPK}")
+        if num_ranks in SUPPORTED_NUM_RANKS and num_experts > 0 and num_experts % num_ranks == 0:
+            num_experts += num_ranks * num_shared_experts
+        return cls(num_ranks, num_experts, num_max_tokens_per_rank, num_topk + num_shared_experts, hidden,
+                   intermediate_size, pool_rows, num_shared_experts)
 
     def __post_init__(self):
         def need(cond, name, what):
             if not cond:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: expected {what}")
 
-        for name in ("num_ranks", "num_experts", "num_max_tokens_per_rank", "num_topk", "hidden", "intermediate_size"):
+        for name in ("num_ranks", "num_experts", "num_max_tokens_per_rank", "num_topk", "hidden", "intermediate_size",
+                     "num_shared_experts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -111,6 +136,9 @@ class BufferShape:
         need(self.hidden > 0 and self.hidden % 128 == 0, "hidden", "a positive multiple of 128")
         need(self.intermediate_size > 0 and self.intermediate_size % 128 == 0, "intermediate_size",
              "a positive multiple of 128")
+        need(0 <= self.num_shared_experts < min(self.num_topk, self.num_local_experts), "num_shared_experts",
+             f"in [0, {min(self.num_topk, self.num_local_experts)}): fewer than the slots and the local experts, "
+             "so that every token has a routed slot and every rank a routed expert")
         if self.pool_rows is not None:
             if not isinstance(self.pool_rows, int) or isinstance(self.pool_rows, bool):
                 raise TypeError(f"pool_rows must be an int or None, got {type(self.pool_rows).__name__}")
@@ -121,6 +149,14 @@ class BufferShape:
     @property
     def num_local_experts(self) -> int:
         return self.num_experts // self.num_ranks
+
+    @property
+    def num_routed_experts(self) -> int:
+        return self.num_experts - self.num_ranks * self.num_shared_experts
+
+    @property
+    def num_routed_topk(self) -> int:
+        return self.num_topk - self.num_shared_experts
 
     @property
     def num_max_recv_entries(self) -> int:
@@ -234,11 +270,12 @@ class BufferLayout:
 
 
 def get_symm_buffer_size(num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_topk: int,
-                         hidden: int, intermediate_size: int, pool_rows: Optional[int] = None) -> int:
+                         hidden: int, intermediate_size: int, pool_rows: Optional[int] = None,
+                         num_shared_experts: int = 0) -> int:
     """Bytes of symmetric memory each rank allocates for this shape (the kernel's whole workspace:
-    it allocates nothing else). pool_rows: see BufferShape."""
-    shape = BufferShape(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size,
-                        pool_rows)
+    it allocates nothing else). pool_rows, num_shared_experts: see BufferShape."""
+    shape = BufferShape.of_routed(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                                  intermediate_size, pool_rows, num_shared_experts)
     return BufferLayout(shape).total_bytes
 
 
@@ -359,12 +396,14 @@ class SymmBuffer:
     def device(self) -> torch.device:
         return self.storage.device
 
-    # Shape accessors, named as in the public API.
+    # Shape accessors, named as in the public API: the routed experts and slots (the kernel's, shared
+    # ones included, are the shape's).
     num_ranks = property(lambda self: self.shape.num_ranks)
-    num_experts = property(lambda self: self.shape.num_experts)
-    num_local_experts = property(lambda self: self.shape.num_local_experts)
+    num_experts = property(lambda self: self.shape.num_routed_experts)
+    num_local_experts = property(lambda self: self.shape.num_local_experts - self.shape.num_shared_experts)
+    num_shared_experts = property(lambda self: self.shape.num_shared_experts)
     num_max_tokens_per_rank = property(lambda self: self.shape.num_max_tokens_per_rank)
-    num_topk = property(lambda self: self.shape.num_topk)
+    num_topk = property(lambda self: self.shape.num_routed_topk)
     hidden = property(lambda self: self.shape.hidden)
     intermediate_size = property(lambda self: self.shape.intermediate_size)
 
@@ -405,13 +444,13 @@ def _run_releasers(releasers: List[Callable[[], None]]) -> None:
 
 
 def get_local_rank_buffers(num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_topk: int,
-                           hidden: int, intermediate_size: int, device=None,
-                           pool_rows: Optional[int] = None) -> Tuple[SymmBuffer, ...]:
+                           hidden: int, intermediate_size: int, device=None, pool_rows: Optional[int] = None,
+                           num_shared_experts: int = 0) -> Tuple[SymmBuffer, ...]:
     """R ranks' buffers on one GPU, for testing the cross-rank protocol without more GPUs:
     rank r's kernel must run concurrently with the others (its own stream) on its share of
-    the SMs, which each buffer's `num_sms` records. pool_rows: see BufferShape."""
-    shape = BufferShape(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size,
-                        pool_rows)
+    the SMs, which each buffer's `num_sms` records. pool_rows, num_shared_experts: see BufferShape."""
+    shape = BufferShape.of_routed(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                                  intermediate_size, pool_rows, num_shared_experts)
     layout = BufferLayout(shape)
     device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
     storages = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(num_ranks)]
@@ -422,13 +461,17 @@ def get_local_rank_buffers(num_ranks: int, num_experts: int, num_max_tokens_per_
 
 def get_symm_buffer(group, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
                     intermediate_size: int, device: Optional[torch.device] = None,
-                    pool_rows: Optional[int] = None) -> SymmBuffer:
+                    pool_rows: Optional[int] = None, num_shared_experts: int = 0) -> SymmBuffer:
     """Allocate (collectively, when `group` is given) the symmetric buffer for this shape.
 
     group: a torch.distributed ProcessGroup whose ranks share NVLink, or None for one GPU.
+    num_experts, num_topk: the routed experts and slots per token.
     device: where the buffer lives; defaults to the current CUDA device. A CPU buffer is
     accepted for staging tests only: `fp8_mega_moe` refuses it.
     pool_rows: the pools' rows (BufferShape); the default bounds the memory of any routing.
+    num_shared_experts: shared experts every token passes through (docs/design.md section 2), of
+    the routed experts' intermediate size; the call's weights then hold them after the routed
+    ones (transform_weights(..., shared=...)) and stage_inputs adds their slots.
     """
     if group is None:
         num_ranks, rank = 1, 0
@@ -439,8 +482,8 @@ def get_symm_buffer(group, num_experts: int, num_max_tokens_per_rank: int, num_t
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None (one GPU), got "
                             f"{type(group).__name__}")
         num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    shape = BufferShape(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size,
-                        pool_rows)
+    shape = BufferShape.of_routed(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                                  intermediate_size, pool_rows, num_shared_experts)
     layout = BufferLayout(shape)
     if device is None:
         if not torch.cuda.is_available():

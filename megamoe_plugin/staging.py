@@ -22,7 +22,9 @@ without it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 
 import torch
 
@@ -86,29 +88,52 @@ def _check(buf, hidden_states, topk_idx, topk_weights) -> int:
     return n
 
 
-def stage_inputs(buf, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:
+def stage_inputs(buf, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 shared_scale: float = 1.0) -> int:
     """Quantize and copy one rank's inputs into `buf` (see the module docstring); returns n.
 
     hidden_states: bf16/fp16/fp32 [n, H], contiguous, on the buffer's device.
     topk_idx: int32/int64 [n, K]; -1 marks an empty slot. topk_weights: float [n, K].
+    shared_scale: the routing weight of the buffer's shared experts (SymmBuffer.num_shared_experts),
+    the model's scaling of their output; unused without them.
     Raises ValueError/TypeError naming the argument before writing anything.
     """
     n = _check(buf, hidden_states, topk_idx, topk_weights)
+    if isinstance(shared_scale, bool) or not isinstance(shared_scale, (int, float)) or not math.isfinite(shared_scale):
+        raise ValueError(f"shared_scale must be a finite number, got {shared_scale!r}")
     if n > 0 and buf.device.type == "cuda":
         buf.order_after_last_use()
-        _stage_triton(buf, hidden_states, topk_idx, topk_weights, n)
+        _stage_triton(buf, hidden_states, topk_idx, topk_weights, n, float(shared_scale))
     elif n > 0:
-        _stage_torch(buf, hidden_states, topk_idx, topk_weights, n)
+        _stage_torch(buf, hidden_states, topk_idx, topk_weights, n, float(shared_scale))
     buf.mark_staged(n)
     return n
 
 
-def _stage_torch(buf, hidden_states, topk_idx, topk_weights, n: int) -> None:
+def kernel_expert_ids(topk_idx: torch.Tensor, num_local_routed: int, num_shared: int) -> torch.Tensor:
+    """Routed expert ids -> the kernel's numbering, where each rank's S shared experts follow its
+    routed ones: e -> e + (e // E_l) * S. -1 stays -1; an id outside [-1, E) lands outside [-1, E + R S),
+    where the kernel drops and counts it as it would have."""
+    ids = topk_idx.long()
+    return torch.where(ids == -1, ids, ids + torch.div(ids, num_local_routed, rounding_mode="floor") * num_shared)
+
+
+def shared_expert_ids(rank: int, num_local_routed: int, num_shared: int) -> range:
+    """The kernel's ids of rank `rank`'s shared experts (kernel_expert_ids)."""
+    first = rank * (num_local_routed + num_shared) + num_local_routed
+    return range(first, first + num_shared)
+
+
+def _stage_torch(buf, hidden_states, topk_idx, topk_weights, n: int, shared_scale: float) -> None:
     q, s = quantize_per_token_group(hidden_states, GROUP_SIZE)
     buf.x[:n].copy_(q)
     buf.x_sf[:n].copy_(s)
-    buf.topk_idx[:n].copy_(topk_idx)
-    buf.topk_weights[:n].copy_(topk_weights)
+    routed, shared = buf.num_topk, buf.num_shared_experts
+    buf.topk_idx[:n, :routed].copy_(kernel_expert_ids(topk_idx, buf.num_local_experts, shared))
+    buf.topk_weights[:n, :routed].copy_(topk_weights)
+    for slot, expert in enumerate(shared_expert_ids(buf.rank, buf.num_local_experts, shared)):
+        buf.topk_idx[:n, routed + slot] = expert
+        buf.topk_weights[:n, routed + slot] = shared_scale
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,8 +150,10 @@ def _triton_kernel():
                       idx_ptr, idx_s0, idx_s1,
                       w_ptr, w_s0, w_s1,
                       q_ptr, sf_ptr, out_idx_ptr, out_w_ptr,
+                      first_shared_id, shared_scale,
                       HIDDEN: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP: tl.constexpr,
                       GPB: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                      LOCAL_ROUTED: tl.constexpr, SHARED: tl.constexpr, BLOCK_SHARED: tl.constexpr,
                       SCALE_MIN: tl.constexpr, QMAX: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         gb = tl.program_id(1)
@@ -145,29 +172,42 @@ def _triton_kernel():
         tl.store(sf_ptr + t * NUM_GROUPS + groups, scale, mask=group_mask)
 
         if gb == 0:
+            # The routed slots (in the kernel's numbering, kernel_expert_ids), then the shared ones.
             k = tl.arange(0, BLOCK_K)
             k_mask = k < K
-            ids = tl.load(idx_ptr + t * idx_s0 + k * idx_s1, mask=k_mask, other=-1)
-            tl.store(out_idx_ptr + t * K + k, ids.to(tl.int64), mask=k_mask)
+            ids = tl.load(idx_ptr + t * idx_s0 + k * idx_s1, mask=k_mask, other=-1).to(tl.int64)
+            if SHARED > 0:
+                rank_of = tl.where(ids >= 0, ids // LOCAL_ROUTED, -((-ids + LOCAL_ROUTED - 1) // LOCAL_ROUTED))
+                ids = tl.where(ids == -1, ids, ids + rank_of * SHARED)
+            tl.store(out_idx_ptr + t * (K + SHARED) + k, ids, mask=k_mask)
             w = tl.load(w_ptr + t * w_s0 + k * w_s1, mask=k_mask, other=0.0)
-            tl.store(out_w_ptr + t * K + k, w.to(tl.float32), mask=k_mask)
+            tl.store(out_w_ptr + t * (K + SHARED) + k, w.to(tl.float32), mask=k_mask)
+            if SHARED > 0:
+                s = tl.arange(0, BLOCK_SHARED)
+                s_mask = s < SHARED
+                tl.store(out_idx_ptr + t * (K + SHARED) + K + s, (first_shared_id + s).to(tl.int64), mask=s_mask)
+                tl.store(out_w_ptr + t * (K + SHARED) + K + s, tl.zeros([BLOCK_SHARED], tl.float32) + shared_scale,
+                         mask=s_mask)
 
     return triton, _stage_kernel
 
 
-def _stage_triton(buf, hidden_states, topk_idx, topk_weights, n: int) -> None:
+def _stage_triton(buf, hidden_states, topk_idx, topk_weights, n: int, shared_scale: float) -> None:
     triton, kernel = _triton_kernel()
-    hidden, topk = buf.hidden, buf.num_topk
+    hidden, topk, shared = buf.hidden, buf.num_topk, buf.num_shared_experts
     num_groups = hidden // GROUP_SIZE
     grid = (n, triton.cdiv(num_groups, _GROUPS_PER_PROGRAM))
-    with torch.cuda.device(buf.device):
+    # (A CPU buffer: only Triton's interpreter, in the tests.)
+    with torch.cuda.device(buf.device) if buf.device.type == "cuda" else contextlib.nullcontext():
         kernel[grid](
             hidden_states, hidden_states.stride(0),
             topk_idx, topk_idx.stride(0), topk_idx.stride(1),
             topk_weights, topk_weights.stride(0), topk_weights.stride(1),
             buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights,
+            shared_expert_ids(buf.rank, buf.num_local_experts, shared).start, shared_scale,
             HIDDEN=hidden, NUM_GROUPS=num_groups, GROUP=GROUP_SIZE, GPB=_GROUPS_PER_PROGRAM,
             K=topk, BLOCK_K=triton.next_power_of_2(topk),
+            LOCAL_ROUTED=buf.num_local_experts, SHARED=shared, BLOCK_SHARED=triton.next_power_of_2(max(shared, 1)),
             SCALE_MIN=SCALE_EPS, QMAX=FP8_MAX,
             num_warps=4,
         )

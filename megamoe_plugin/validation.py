@@ -66,6 +66,10 @@ def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_
                          "run on stale inputs; pass y[:n] with the n that stage_inputs returned")
     w13, w13_scale = unpack_pair(l1, "l1")
     w2, w2_scale = unpack_pair(l2, "l2")
+    shared = s.num_shared_experts
+    if shared and isinstance(w13, torch.Tensor) and w13.dim() == 3 and w13.shape[0] == el - shared:
+        raise ValueError(f"l1 holds {el - shared} experts, the routed ones only: the buffer has {shared} shared "
+                         "expert(s), which the weights hold after the routed ones (transform_weights(..., shared=...))")
     check_tensor(w13, "l1 weight (w13)", torch.float8_e4m3fn, (el, 2 * i, h), dev)
     check_tensor(w13_scale, "l1 scale (w13_scale, transformed layout)", torch.float32, (el, i // 128, 2, h // 128), dev)
     check_tensor(w2, "l2 weight (w2)", torch.float8_e4m3fn, (el, h, i), dev)

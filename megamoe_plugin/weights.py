@@ -37,7 +37,7 @@ The transform runs with views and one copy per tensor on the input's device.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -162,11 +162,16 @@ def validate_checkpoint_weights(w13: torch.Tensor, w13_scale: torch.Tensor, w2: 
     return _validate(w13, w13_scale, w2, w2_scale, transformed=False, where=where)
 
 
-def transform_weights(l1: WeightPair, l2: WeightPair) -> Tuple[WeightPair, WeightPair]:
+def transform_weights(l1: WeightPair, l2: WeightPair,
+                      shared: Optional[Mapping[str, torch.Tensor]] = None) -> Tuple[WeightPair, WeightPair]:
     """Checkpoint layout -> SM90 kernel layout (see the module docstring).
 
     l1 = (w13, w13_scale), l2 = (w2, w2_scale); returns ((w13_t, w13_scale_t), (w2_t, w2_scale_t)),
     all contiguous and on the input device.
+    shared: the model's shared experts in the same layout and format, {w13, w13_scale, w2, w2_scale}
+    with S experts of the routed experts' H and I (reference.mega_moe's `shared`). The kernel runs
+    them as local experts: the result holds E_l + S experts, the shared ones last, for a buffer made
+    with num_shared_experts=S.
     """
     w13, w13_scale = unpack_pair(l1, "l1")
     w2, w2_scale = unpack_pair(l2, "l2")
@@ -174,6 +179,21 @@ def transform_weights(l1: WeightPair, l2: WeightPair) -> Tuple[WeightPair, Weigh
     if weight_format(w13) == "mxfp4":
         raise ValueError("l1 holds MXFP4 weights (uint8 codes): the kernel takes FP8 expert weights only so far, "
                          "so transform_weights has no kernel layout for them")
+    if shared is not None:
+        missing = [key for key in ("w13", "w13_scale", "w2", "w2_scale") if not isinstance(shared, Mapping)
+                   or key not in shared]
+        if missing:
+            raise ValueError(f"shared must be a dict with keys w13, w13_scale, w2, w2_scale; missing {missing}")
+        num_shared, shared_hidden, shared_intermediate = validate_checkpoint_weights(
+            shared["w13"], shared["w13_scale"], shared["w2"], shared["w2_scale"], where="shared")
+        if (shared_hidden, shared_intermediate) != (hidden, intermediate):
+            raise ValueError(f"shared experts have H={shared_hidden}, I={shared_intermediate}; the kernel runs them as "
+                             f"local experts, so they need the routed experts' H={hidden}, I={intermediate}")
+        if weight_format(shared["w13"]) != "fp8" or shared["w13"].device != w13.device:
+            raise ValueError(f"shared experts must be FP8 weights on {w13.device}, as the routed ones")
+        w13, w13_scale, w2, w2_scale = (torch.cat([routed, shared[key]]) for routed, key in (
+            (w13, "w13"), (w13_scale, "w13_scale"), (w2, "w2"), (w2_scale, "w2_scale")))
+        num_local_experts += num_shared
     runs = intermediate // GATE_UP_INTERLEAVE
     # [E, (gate|up), run, 8, H] -> [E, run, (gate|up), 8, H]
     w13_t = (w13.reshape(num_local_experts, 2, runs, GATE_UP_INTERLEAVE, hidden)

@@ -34,7 +34,7 @@ def record_kernel_calls(monkeypatch) -> dict:
             ranks = [dict(x=buf.x[:n], x_sf=buf.x_sf[:n], topk_idx=buf.topk_idx[:n],
                           topk_weights=buf.topk_weights[:n])]
             (ref,) = mm.reference.mega_moe(ranks, [dict(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)],
-                                           buf.num_experts, activation_clamp=activation_clamp)
+                                           buf.shape.num_experts, activation_clamp=activation_clamp)
             y.copy_(ref)
         return y
 

@@ -145,33 +145,32 @@ def test_importing_staging_does_not_import_triton():
 
 
 _INTERPRETER_SCRIPT = r"""
-import torch, triton
-from megamoe_plugin import get_symm_buffer, staging
-from megamoe_plugin.fp8 import quantize_per_token_group
-_, kernel = staging._triton_kernel()
+import torch
+from megamoe_plugin import staging
+from megamoe_plugin.buffer import BufferShape, SymmBuffer, get_symm_buffer_size
 hidden, topk = 640, 3  # 5 groups: one full and one partial block of 4 groups
-buf = get_symm_buffer(None, 16, 8, topk, hidden, 128, device="cpu")
 g = torch.Generator().manual_seed(0)
-for n in (1, 6):
-    hs = (torch.randn(n, hidden, generator=g) * 5).to(torch.bfloat16)
-    ids = torch.randint(-1, 16, (n, topk), generator=g, dtype=torch.int32)
-    w = torch.rand(n, topk, generator=g)
-    groups = hidden // 128
-    kernel[(n, triton.cdiv(groups, staging._GROUPS_PER_PROGRAM))](
-        hs, hs.stride(0), ids, ids.stride(0), ids.stride(1), w, w.stride(0), w.stride(1),
-        buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights,
-        HIDDEN=hidden, NUM_GROUPS=groups, GROUP=128, GPB=staging._GROUPS_PER_PROGRAM, K=topk, BLOCK_K=4,
-        SCALE_MIN=1e-10, QMAX=448.0)
-    _, s = quantize_per_token_group(hs, 128)
-    assert torch.equal(buf.x_sf[:n], s), "scales"
-    assert torch.equal(buf.topk_idx[:n], ids.long()), "ids"
-    assert torch.equal(buf.topk_weights[:n], w), "weights"
+# Rank 1 of 2 ranks with 8 routed experts each, without and with 2 shared experts.
+for shared in (0, 2):
+    shape = BufferShape.of_routed(2, 16, 8, topk, hidden, 128, num_shared_experts=shared)
+    size = get_symm_buffer_size(2, 16, 8, topk, hidden, 128, num_shared_experts=shared)
+    buf, want = (SymmBuffer(shape, torch.zeros(size, dtype=torch.uint8), 1, (1, 2)) for _ in range(2))
+    for n in (1, 6):
+        hs = (torch.randn(n, hidden, generator=g) * 5).to(torch.bfloat16)
+        ids = torch.randint(-3, 20, (n, topk), generator=g, dtype=torch.int32)  # invalid ones too
+        w = torch.rand(n, topk, generator=g)
+        staging._stage_triton(buf, hs, ids, w, n, 0.75)
+        staging._stage_torch(want, hs, ids, w, n, 0.75)
+        assert torch.equal(buf.x_sf[:n], want.x_sf[:n]), "scales"
+        assert torch.equal(buf.topk_idx[:n], want.topk_idx[:n]), ("ids", buf.topk_idx[:n], want.topk_idx[:n])
+        assert torch.equal(buf.topk_weights[:n], want.topk_weights[:n]), "weights"
 print("interpreter ok")
 """
 
 
 def test_triton_kernel_indexing_in_interpreter():
-    """The Triton kernel's indexing (scales, ids, weights) on CPU through Triton's interpreter.
+    """The Triton kernel's indexing (scales, ids, weights; the shared experts' slots and the routed
+    ids in the kernel's numbering) on CPU through Triton's interpreter, against the torch path.
 
     The interpreter's float -> fp8 cast does not round to nearest even (it rounds ties
     away and mishandles carries), so the fp8 codes themselves are compared on the GPU
@@ -205,12 +204,13 @@ def test_triton_kernel_compiles_for_sm90_with_exact_arithmetic():
 
     _, kernel = staging._triton_kernel()
     names = list(inspect.signature(kernel.fn).parameters)
-    consts = dict(HIDDEN=7168, NUM_GROUPS=56, GROUP=128, GPB=staging._GROUPS_PER_PROGRAM, K=8, BLOCK_K=8,
-                  SCALE_MIN=1e-10, QMAX=448.0)
-    for x_type, idx_type in (("*bf16", "*i32"), ("*fp16", "*i64"), ("*fp32", "*i64")):
+    for x_type, idx_type, shared in (("*bf16", "*i32", 0), ("*fp16", "*i64", 1), ("*fp32", "*i64", 2)):
+        consts = dict(HIDDEN=7168, NUM_GROUPS=56, GROUP=128, GPB=staging._GROUPS_PER_PROGRAM, K=8, BLOCK_K=8,
+                      LOCAL_ROUTED=32, SHARED=shared, BLOCK_SHARED=max(shared, 1), SCALE_MIN=1e-10, QMAX=448.0)
         signature = dict(x_ptr=x_type, x_row_stride="i32", idx_ptr=idx_type, idx_s0="i32", idx_s1="i32",
                          w_ptr="*fp32", w_s0="i32", w_s1="i32", q_ptr="*fp8e4nv", sf_ptr="*fp32",
-                         out_idx_ptr="*i64", out_w_ptr="*fp32", **{k: "constexpr" for k in consts})
+                         out_idx_ptr="*i64", out_w_ptr="*fp32", first_shared_id="i32", shared_scale="fp32",
+                         **{k: "constexpr" for k in consts})
         source = ASTSource(fn=kernel, signature=signature,
                            constexprs={(names.index(k),): v for k, v in consts.items()})
         try:

@@ -1,0 +1,74 @@
+"""Shared experts in the call, on the GPU: the kernel runs a buffer's shared experts as local
+experts that every local token's extra slots name (tests/test_shared_experts.py checks that this
+view of a call is, in the reference, bit for bit routed + shared). Judged as every call is
+(testing.output_errors) on that view, in both numerics modes, on one rank and on two side by side."""
+import math
+
+import pytest
+import torch
+
+import megamoe_plugin as mm
+from megamoe_plugin.testing import Layer, output_errors, random_inputs, random_layer
+
+HIDDEN, INTER = 384, 256  # kernel shapes tests/gpu/cases.py precompiles: K 4, E 4 on one rank; K 2, E 8 on two
+
+
+def _folded(layer, shared):
+    """The routed layer with the shared experts after its experts, as the kernel reads it."""
+    c = layer.checkpoint
+    l1, l2 = mm.transform_weights((c["w13"], c["w13_scale"]), (c["w2"], c["w2_scale"]), shared=shared)
+    (w13, s13), (w2, s2) = mm.untransform_weights(l1, l2)
+    return Layer(checkpoint=dict(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2), l1=l1, l2=l2)
+
+
+def _kernel_view(buf, n):
+    return dict(x=buf.x[:n].clone(), x_sf=buf.x_sf[:n].clone(), topk_idx=buf.topk_idx[:n].clone(),
+                topk_weights=buf.topk_weights[:n].clone())
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_one_rank_returns_routed_plus_shared(numerics):
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    routed_experts, topk, max_tokens = 3, 3, 50
+    buf = mm.get_symm_buffer(None, routed_experts, max_tokens, topk, HIDDEN, INTER, num_shared_experts=1)
+    layer = _folded(random_layer(routed_experts, HIDDEN, INTER, "cuda", gen),
+                    random_layer(1, HIDDEN, INTER, "cuda", gen).checkpoint)
+    counts = (1, 7, 21, max_tokens)
+    mm.ops.warmup(buf, layer.l1, layer.l2, counts, numerics=numerics)
+    for step, n in enumerate(counts * 2):
+        inputs = random_inputs(n, HIDDEN, routed_experts, topk, ("uniform", "masked", "one_expert")[step % 3], "cuda",
+                               gen)
+        assert mm.stage_inputs(buf, inputs["hidden_states"], inputs["topk_idx"], inputs["topk_weights"],
+                               shared_scale=(1.0, 0.625)[step % 2]) == n
+        y = torch.full((n, HIDDEN), math.nan, dtype=torch.bfloat16, device="cuda")
+        mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, numerics=numerics)
+        mm.ops.synchronize()
+        assert output_errors([y], [_kernel_view(buf, n)], [layer], buf.shape.num_experts, numerics) == [None], n
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_two_ranks_side_by_side_return_routed_plus_shared(numerics):
+    gen = torch.Generator(device="cuda").manual_seed(32)
+    ranks, local_routed, topk, max_tokens = 2, 3, 1, 16
+    bufs = mm.buffer.get_local_rank_buffers(ranks, ranks * local_routed, max_tokens, topk, HIDDEN, INTER,
+                                            num_shared_experts=1)
+    shared = random_layer(1, HIDDEN, INTER, "cuda", gen).checkpoint  # replicated on every rank
+    layers = [_folded(random_layer(local_routed, HIDDEN, INTER, "cuda", gen), shared) for _ in range(ranks)]
+    streams = [torch.cuda.Stream() for _ in range(ranks)]
+    for buf, layer in zip(bufs, layers):
+        mm.ops.warmup(buf, layer.l1, layer.l2, [max_tokens], numerics=numerics)
+    for step in range(6):
+        counts = [max_tokens if (r + step) % 2 == 0 else max(0, max_tokens // 2 - 3 * r) for r in range(ranks)]
+        inputs = [random_inputs(n, HIDDEN, ranks * local_routed, topk, ("uniform", "masked")[step % 2], "cuda", gen)
+                  for n in counts]
+        ys = []
+        for buf, rank_inputs in zip(bufs, inputs):
+            mm.stage_inputs(buf, rank_inputs["hidden_states"], rank_inputs["topk_idx"], rank_inputs["topk_weights"])
+            ys.append(torch.full((rank_inputs["x"].shape[0], HIDDEN), math.nan, dtype=torch.bfloat16, device="cuda"))
+        torch.cuda.synchronize()
+        for buf, layer, y, stream in zip(bufs, layers, ys, streams):
+            with torch.cuda.stream(stream):
+                mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, config_num_tokens=max_tokens, numerics=numerics)
+        mm.ops.synchronize()
+        views = [_kernel_view(buf, n) for buf, n in zip(bufs, counts)]
+        assert output_errors(ys, views, layers, bufs[0].shape.num_experts, numerics) == [None] * ranks, step
