@@ -67,6 +67,7 @@ def test_a_model_config_replaces_the_reference_configs(tmp_path):
                                           (["--numerics", "fp4"], "--numerics: unknown mode(s) fp4"),
                                           (["--baseline", "cublas"], "invalid choice: 'cublas'"),
                                           (["--iters", "0"], "--iters must be >= 1"),
+                                          (["--shared-experts", "-1"], "--shared-experts must be >= 0"),
                                           (["--hidden", "2048"], "all of --hidden --intermediate-size")])
 def test_bad_options_are_named(argv, needle, capsys):
     with pytest.raises(SystemExit) as info:
@@ -201,3 +202,21 @@ def test_rank_floor_counts_the_nvlink_bytes_of_each_direction():
     assert rank_floor([idx0], 0, 1, hidden, inter, ceilings, local)[2] == 0
     row = report.row(report.point("v3", "fast", 3, 1e-5, flops, floor, 2e-5, None, nvlink))
     assert row.split()[-1] == f"{nvlink / 1e6:.2f}"
+
+
+def test_the_floor_of_a_fused_call_counts_the_shared_expert_on_the_ranks_own_rows():
+    """The kernel's view of a call with a shared expert (staging.kernel_expert_ids): the shared expert is
+    one more expert of the rank, hit by every own token, pulled over no link; the floor reads its
+    weights and counts its rows' FLOPs."""
+    from megamoe_plugin.bench.floors import Ceilings, rank_floor
+    from megamoe_plugin.staging import kernel_expert_ids, shared_expert_ids
+
+    hidden, inter, local = 256, 128, 2
+    ceilings = Ceilings(hbm_bytes_per_s=1e12, fp8_flops_per_s=1e15, peer_bytes_per_s=1e11)
+    idx = [torch.tensor([[0, 2], [1, 3], [1, -1]]), torch.tensor([[0, 1], [3, 0]])]
+    fused = [torch.cat([kernel_expert_ids(i, local, 1), torch.full((i.shape[0], 1), shared_expert_ids(r, local, 1)[0])],
+                       dim=1) for r, i in enumerate(idx)]
+    _, flops, nvlink = rank_floor(idx, 0, 2, hidden, inter, ceilings, local)
+    _, fused_flops, fused_nvlink = rank_floor(fused, 0, 2, hidden, inter, ceilings, local + 1)
+    assert fused_flops == flops + 2 * 3 * 3 * inter * hidden  # rank 0's 3 tokens through its shared expert
+    assert fused_nvlink == nvlink

@@ -71,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
                                                          "(default: %(default)s)")
     p.add_argument("--no-fast-math", dest="fast_math", action="store_false",
                    help="call with fast_math=False (exact SwiGLU math)")
+    p.add_argument("--shared-experts", type=int, default=0, metavar="S",
+                   help="S shared experts of the routed experts' intermediate size in every call (docs/design.md "
+                        "section 2): the fused call, whose floor counts them; no baseline then (default: %(default)s)")
     p.add_argument("--baseline", choices=BASELINES, default="auto",
                    help="what to time beside megamoe on one GPU: vllm (vLLM's Triton fused MoE), torch (an unfused "
                         "per-expert torch path: torch._scaled_mm with block scales, SwiGLU, FP8 requant), auto "
@@ -107,6 +110,8 @@ def parse_args(argv: Optional[List[str]] = None):
         p.error(f"--numerics: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(NUMERICS_MODES)}")
     if args.iters < 1:
         p.error("--iters must be >= 1")
+    if args.shared_experts < 0:
+        p.error("--shared-experts must be >= 0")
     if args.baseline == "vllm" and importlib.util.find_spec("vllm") is None:
         p.error("--baseline vllm: vllm is not installed (pip install 'megamoe_plugin[vllm]'), or use --baseline torch")
     return args, configs, tokens, numerics
@@ -157,10 +162,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             say(f"{num_ranks} x {results['device']}: copy {ceilings.hbm_bytes_per_s / 1e12:.2f} TB/s, FP8 GEMM "
                 f"{ceilings.fp8_flops_per_s / 1e12:.0f} TFLOP/s, fast_math={args.fast_math}"
                 + (f", peer read {ceilings.peer_bytes_per_s / 1e9:.0f} GB/s" if num_ranks > 1 else ""))
-        baseline, results["baseline"] = make_baseline(args.baseline if num_ranks == 1 else "none",
-                                                      timer.layer.checkpoint)
+        baseline, results["baseline"] = make_baseline(
+            args.baseline if num_ranks == 1 and not args.shared_experts else "none", timer.layer.checkpoint)
         if index == 0:
-            say(f"baseline: {results['baseline']}" + (" (one GPU only)" if num_ranks > 1 else ""))
+            say(f"baseline: {results['baseline']}" + (" (one GPU only)" if num_ranks > 1 else "")
+                + (f"; {args.shared_experts} shared expert(s) in every call" if args.shared_experts else ""))
             say(report.header())
         for numerics in numerics_modes:
             ops.warmup(timer.buf, timer.layer.l1, timer.layer.l2, tokens_list, args.fast_math, numerics)
@@ -201,15 +207,25 @@ class _Timer:
 
     def __init__(self, args, ceilings, group, rank, num_ranks, name, hidden, inter, topk, num_experts,
                  local_experts, max_tokens, gen):
+        import torch
+
         import megamoe_plugin as mm
         from ..testing import random_layer
         from ..timing import l2_flusher
 
         self.args, self.ceilings, self.group, self.rank, self.num_ranks = args, ceilings, group, rank, num_ranks
-        self.name, self.hidden, self.inter, self.topk = name, hidden, inter, topk
+        self.name = f"{name}+s{args.shared_experts}" if args.shared_experts else name
+        self.hidden, self.inter, self.topk = hidden, inter, topk
         self.num_experts, self.local_experts, self.gen = num_experts, local_experts, gen
         self.layer = random_layer(local_experts, hidden, inter, "cuda", gen)
-        self.buf = mm.get_symm_buffer(group, num_experts, max_tokens, topk, hidden, inter)
+        self.buf = mm.get_symm_buffer(group, num_experts, max_tokens, topk, hidden, inter,
+                                      num_shared_experts=args.shared_experts)
+        if args.shared_experts:  # replicated: every rank draws the same ones
+            shared = random_layer(args.shared_experts, hidden, inter, "cuda",
+                                  torch.Generator(device="cuda").manual_seed(999)).checkpoint
+            c = self.layer.checkpoint
+            self.layer.l1, self.layer.l2 = mm.transform_weights((c["w13"], c["w13_scale"]), (c["w2"], c["w2_scale"]),
+                                                                shared=shared)
         self.flush = l2_flusher()
 
     def inputs(self, n: int) -> Dict:
@@ -242,7 +258,6 @@ class _Timer:
         import torch
 
         import megamoe_plugin as mm
-        from ..testing import fill_buffer
         from . import report
         from .floors import rank_floor
 
@@ -250,22 +265,27 @@ class _Timer:
         y = torch.empty(n, self.hidden, dtype=torch.bfloat16, device="cuda")
         kernel = functools.partial(mm.fp8_mega_moe, y, self.layer.l1, self.layer.l2, self.buf,
                                    fast_math=self.args.fast_math, numerics=numerics)
-        fill_buffer(self.buf, inputs)
-        t = self._slowest(self.median(kernel))
+
+        def stage():
+            mm.stage_inputs(self.buf, inputs["hidden_states"], inputs["topk_idx"], inputs["topk_weights"])
 
         def from_bf16():
-            mm.stage_inputs(self.buf, inputs["hidden_states"], inputs["topk_idx"], inputs["topk_weights"])
+            stage()
             kernel()
 
+        stage()
+        # The slots as the kernel sees them (shared experts' included): what the floor counts.
+        kernel_idx = self.buf.topk_idx[:n].cpu()
+        t = self._slowest(self.median(kernel))
         t_e2e = self._slowest(self.median(from_bf16))
-        all_idx = [inputs["topk_idx"].cpu()]
+        all_idx = [kernel_idx]
         if self.group is not None:
             import torch.distributed as dist
 
             all_idx = [None] * self.num_ranks
-            dist.all_gather_object(all_idx, inputs["topk_idx"].cpu(), self.group)
+            dist.all_gather_object(all_idx, kernel_idx, self.group)
         floor, flops, nvlink_bytes = rank_floor(all_idx, self.rank, self.num_ranks, self.hidden, self.inter,
-                                                self.ceilings, self.local_experts)
+                                                self.ceilings, self.buf.shape.num_local_experts)
         return report.point(self.name, numerics, n, t, flops, floor, t_e2e, t_base,
                             nvlink_bytes if self.num_ranks > 1 else None)
 
