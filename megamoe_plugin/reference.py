@@ -300,10 +300,9 @@ def tie_allowances(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[D
     # All ranks' tokens stacked rank-major, as mega_moe does: row first_row[r] + t is token t of rank r.
     a_abs = torch.cat([dequantize_per_token_group(inputs["x"], inputs["x_sf"], INPUT_GROUP).abs() for inputs in ranks])
     topk_weights = torch.cat([inputs["topk_weights"] for inputs in ranks])
-    tokens_per_rank = torch.tensor([inputs["x"].shape[0] for inputs in ranks], device=a_abs.device)
-    first_row = torch.cumsum(tokens_per_rank, 0) - tokens_per_rank
-    allowances = [torch.zeros(inputs["x"].shape[0], dtype=torch.float64, device=inputs["x"].device)
-                  for inputs in ranks]
+    tokens_per_rank = [inputs["x"].shape[0] for inputs in ranks]
+    first_row = torch.cumsum(torch.tensor([0] + tokens_per_rank[:-1], device=a_abs.device), 0)
+    allowances = torch.zeros(a_abs.shape[0], dtype=torch.float64, device=a_abs.device)
     for expert, rows in enumerate(per_expert):
         if rows["src"].shape[0] == 0:
             continue
@@ -316,11 +315,8 @@ def tie_allowances(ranks: Sequence[Dict[str, torch.Tensor]], weights: Sequence[D
         error = act_error_bound(rows["l1_out"], magnitude, routing_weight, rows["act"])
         deltas = requant_tie_deltas(rows["act"], rows["act_q"], rows["act_sf"], requant_group, error)
         column_norms = dequantize_weight(w["w2"][local], w["w2_scale"][local]).double().norm(dim=0)
-        moved = deltas.abs() @ column_norms
-        for r, allowance in enumerate(allowances):
-            mine = src_rank == r
-            allowance.index_add_(0, src_token[mine], moved[mine])
-    return allowances
+        allowances.index_add_(0, stacked, deltas.abs() @ column_norms)
+    return list(allowances.split(tokens_per_rank))
 
 
 # docs/design.md section 2's bounds per numerics mode, (calc_diff, every token's relative L2 error),

@@ -140,14 +140,18 @@ def fp8_tensor_core_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_s
     return out[:rows]
 
 
+def reference_ranks(inputs: List[Dict[str, torch.Tensor]]) -> List[Dict[str, torch.Tensor]]:
+    """random_inputs' dicts as reference.mega_moe takes its ranks: without the BF16 hidden states."""
+    return [{k: v for k, v in r.items() if k != "hidden_states"} for r in inputs]
+
+
 def reference_outputs(inputs: List[Dict[str, torch.Tensor]], layers: List[Layer], num_experts: int,
                       activation_clamp: Optional[float] = None, l1_gemm=None) -> List[torch.Tensor]:
     """The exact reference (docs/design.md section 2) for these ranks' inputs; with
     l1_gemm=fp8_tensor_core_l1, the one whose L1 is computed by FP8 tensor cores."""
     from . import reference
 
-    ranks = [{k: v for k, v in r.items() if k != "hidden_states"} for r in inputs]
-    return reference.mega_moe(ranks, [layer.checkpoint for layer in layers], num_experts,
+    return reference.mega_moe(reference_ranks(inputs), [layer.checkpoint for layer in layers], num_experts,
                               activation_clamp=activation_clamp, l1_gemm=l1_gemm)
 
 
@@ -156,8 +160,8 @@ def tie_allowances_of(inputs: List[Dict[str, torch.Tensor]], layers: List[Layer]
     """reference.tie_allowances for these ranks' inputs: per token, how far requant ties may move it."""
     from . import reference
 
-    ranks = [{k: v for k, v in r.items() if k != "hidden_states"} for r in inputs]
-    return reference.tie_allowances(ranks, [layer.checkpoint for layer in layers], num_experts, activation_clamp)
+    return reference.tie_allowances(reference_ranks(inputs), [layer.checkpoint for layer in layers], num_experts,
+                                    activation_clamp)
 
 
 def reference_slot_outputs(inputs: List[Dict[str, torch.Tensor]], layers: List[Layer], num_experts: int,
@@ -167,7 +171,7 @@ def reference_slot_outputs(inputs: List[Dict[str, torch.Tensor]], layers: List[L
     buffer (SymmBuffer.view("combine")), so a token that differs can be traced to its slot."""
     from . import reference
 
-    ranks = [{k: v for k, v in r.items() if k != "hidden_states"} for r in inputs]
+    ranks = reference_ranks(inputs)
     _, per_expert = reference.mega_moe(ranks, [layer.checkpoint for layer in layers], num_experts,
                                        activation_clamp=activation_clamp, return_intermediates=True)
     slots = [torch.zeros(*r["topk_idx"].shape, layers[0].checkpoint["w2"].shape[1], dtype=torch.bfloat16,

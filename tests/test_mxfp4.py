@@ -8,7 +8,7 @@ import torch
 from megamoe_plugin import mxfp4
 from megamoe_plugin.fp8 import FP8_DTYPE
 from megamoe_plugin.reference import mega_moe
-from megamoe_plugin.testing import random_inputs
+from megamoe_plugin.testing import random_inputs, reference_ranks
 from megamoe_plugin.weights import dequantize_weight, transform_weights, validate_checkpoint_weights
 
 
@@ -104,7 +104,7 @@ def test_the_reference_on_mxfp4_weights_is_the_reference_on_their_values(num_ran
                            dequantize_weight(blocks["w13"][0], blocks["w13_scale"][0]))
     inputs = [random_inputs(n, hidden, local_experts * num_ranks, topk, routing, "cpu", gen)
               for n in [5, 0, 7, 1][:num_ranks]]
-    ranks = [{k: v for k, v in r.items() if k != "hidden_states"} for r in inputs]
+    ranks = reference_ranks(inputs)
     ys = mega_moe(ranks, [packed for packed, _ in layers], local_experts * num_ranks)
     want = mega_moe(ranks, [blocks for _, blocks in layers], local_experts * num_ranks)
     for y, w in zip(ys, want):
@@ -136,8 +136,7 @@ def test_mxfp4_checkpoint_shape_and_one_format_per_model():
     w = _valid_mxfp4(local=3, hidden=384, inter=256)
     assert validate_checkpoint_weights(w["w13"], w["w13_scale"], w["w2"], w["w2_scale"]) == (3, 384, 256)
     packed, blocks = _mxfp4_layer(1, 128, 128, _gen(4))
-    ranks = [{k: v for k, v in random_inputs(2, 128, 2, 1, "uniform", "cpu", _gen(5)).items() if k != "hidden_states"}
-             for _ in range(2)]
+    ranks = reference_ranks([random_inputs(2, 128, 2, 1, "uniform", "cpu", _gen(5)) for _ in range(2)])
     with pytest.raises(ValueError, match="one format"):
         mega_moe(ranks, [packed, blocks], 2)
 
@@ -197,7 +196,6 @@ def test_the_reference_on_mxfp4_weights_is_the_reference_on_their_fp8_blocks():
         f13, s13 = mxfp4.to_fp8_blocks(w["w13"], w["w13_scale"])
         f2, s2 = mxfp4.to_fp8_blocks(w["w2"], w["w2_scale"])
         blocks.append(dict(w13=f13, w13_scale=s13, w2=f2, w2_scale=s2))
-    ranks = [{k: v for k, v in random_inputs(n, 256, 4, 2, "masked", "cpu", gen).items() if k != "hidden_states"}
-             for n in (6, 3)]
+    ranks = reference_ranks([random_inputs(n, 256, 4, 2, "masked", "cpu", gen) for n in (6, 3)])
     for y, want in zip(mega_moe(ranks, weights, 4), mega_moe(ranks, blocks, 4)):
         assert torch.equal(y, want)

@@ -383,7 +383,7 @@ def test_reference_is_vectorized_over_tokens():
     Counted rather than timed, so a busy or slow CPU cannot fail it or hide a loop."""
     from torch.overrides import TorchFunctionMode
 
-    from megamoe_plugin.testing import random_inputs, random_layer
+    from megamoe_plugin.testing import random_inputs, random_layer, reference_ranks
 
     class CountTorchCalls(TorchFunctionMode):
         def __init__(self):
@@ -399,7 +399,7 @@ def test_reference_is_vectorized_over_tokens():
     calls = {}
     for tokens in (16, 512):
         inputs = random_inputs(tokens, 256, 8, 2, "uniform", "cpu", gen)
-        ranks = [{k: v for k, v in inputs.items() if k != "hidden_states"}]
+        ranks = reference_ranks([inputs])
         with CountTorchCalls() as counter:
             (y,) = mega_moe(ranks, [layer.checkpoint], 8)
         assert y.shape == (tokens, 256) and torch.isfinite(y.float()).all()
@@ -411,12 +411,12 @@ def test_reference_is_vectorized_over_tokens():
 def test_l1_gemm_hook_replaces_step_one_only():
     """Passing the exact GEMM as l1_gemm reproduces the default; a scaled one changes y."""
     from megamoe_plugin.fp8 import dequantize_per_token_group, dequantize_weight_blocks
-    from megamoe_plugin.testing import random_inputs, random_layer
+    from megamoe_plugin.testing import random_inputs, random_layer, reference_ranks
 
     gen = torch.Generator().manual_seed(3)
     layer = random_layer(4, 256, 128, "cpu", gen)
     inputs = random_inputs(9, 256, 4, 2, "uniform", "cpu", gen)
-    ranks = [{k: v for k, v in inputs.items() if k != "hidden_states"}]
+    ranks = reference_ranks([inputs])
 
     def exact(x, x_sf, w, w_sf):
         return dequantize_per_token_group(x, x_sf) @ dequantize_weight_blocks(w, w_sf).T

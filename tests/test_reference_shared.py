@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megamoe_plugin.reference import mega_moe
-from megamoe_plugin.testing import random_inputs, random_layer
+from megamoe_plugin.testing import random_inputs, random_layer, reference_ranks
 
 H = 256
 
@@ -21,7 +21,7 @@ def _world(num_ranks, local_experts, topk, inter, tokens, routing, seed):
     gen = _gen(seed)
     layers = [random_layer(local_experts, H, inter, "cpu", gen) for _ in range(num_ranks)]
     inputs = [random_inputs(n, H, local_experts * num_ranks, topk, routing, "cpu", gen) for n in tokens]
-    ranks = [{k: v for k, v in r.items() if k != "hidden_states"} for r in inputs]
+    ranks = reference_ranks(inputs)
     return ranks, [layer.checkpoint for layer in layers]
 
 

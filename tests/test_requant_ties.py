@@ -9,7 +9,7 @@ import torch
 
 from megamoe_plugin.fp8 import FP8_DTYPE, quantize_weight_blocks, requant_tie_deltas, requantize_groups
 from megamoe_plugin.reference import _matmul_nt, mega_moe, tie_allowances, token_rel_errors
-from megamoe_plugin.testing import Layer, output_errors
+from megamoe_plugin.testing import Layer, output_errors, reference_ranks
 from megamoe_plugin.weights import dequantize_weight
 
 H = I = 128
@@ -116,7 +116,7 @@ def test_any_evaluation_within_the_error_model_passes_the_judge():
         noise = (torch.rand(a.shape[0], b.shape[0], generator=noise_gen, dtype=torch.float64) * 2 - 1)
         return (_matmul_nt(a, b).double() + noise * L1_SUM_ERROR * (a.abs().double() @ b.abs().double().T)).float()
 
-    rank_args = [{k: v for k, v in r.items() if k != "hidden_states"} for r in inputs]
+    rank_args = reference_ranks(inputs)
     checkpoints = [layer.checkpoint for layer in layers]
     ys, other_rows = mega_moe(rank_args, checkpoints, local_experts * ranks, l1_gemm=perturbed_l1,
                               return_intermediates=True)

@@ -9,7 +9,7 @@ import torch
 import megamoe_plugin as mm
 from megamoe_plugin.buffer import BufferShape, SymmBuffer, get_symm_buffer_size
 from megamoe_plugin.staging import kernel_expert_ids, shared_expert_ids
-from megamoe_plugin.testing import random_inputs, random_layer
+from megamoe_plugin.testing import random_inputs, random_layer, reference_ranks
 
 H, I, K, LOCAL, TOKENS = 256, 256, 3, 4, 37
 
@@ -68,7 +68,7 @@ def test_the_kernels_view_of_a_call_is_routed_plus_shared(num_ranks, num_shared,
         (w13, s13), (w2, s2) = mm.untransform_weights(l1, l2)
         kernel_weights.append(dict(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2))
     fused = mm.reference.mega_moe(kernel_view, kernel_weights, bufs[0].shape.num_experts)
-    routed = [{k: v for k, v in r.items() if k != "hidden_states"} for r in inputs]
+    routed = reference_ranks(inputs)
     want = mm.reference.mega_moe(routed, [layer.checkpoint for layer in layers], LOCAL * num_ranks, shared=shared,
                                  shared_scale=shared_scale)
     for got, expected in zip(fused, want):

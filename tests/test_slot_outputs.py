@@ -3,7 +3,7 @@ the kernel leaves in its combine buffer, so that a token that differs is traced 
 import torch
 
 from megamoe_plugin.reference import mega_moe
-from megamoe_plugin.testing import random_inputs, random_layer, reference_slot_outputs, worst_slots
+from megamoe_plugin.testing import random_inputs, random_layer, reference_ranks, reference_slot_outputs, worst_slots
 
 H = 256
 
@@ -13,7 +13,7 @@ def test_reference_slot_outputs_sum_to_the_output():
     gen = torch.Generator().manual_seed(10)
     layers = [random_layer(3, H, 256, "cpu", gen) for _ in range(2)]
     inputs = [random_inputs(n, H, 6, 4, "masked", "cpu", gen) for n in (9, 4)]
-    ys = mega_moe([{k: v for k, v in r.items() if k != "hidden_states"} for r in inputs],
+    ys = mega_moe(reference_ranks(inputs),
                   [layer.checkpoint for layer in layers], 6)
     for r, slots in enumerate(reference_slot_outputs(inputs, layers, 6)):
         assert slots.shape == (inputs[r]["x"].shape[0], 4, H)

@@ -14,7 +14,7 @@ import torch
 import megamoe_plugin as mm
 from megamoe_plugin.fp8 import dequantize_per_token_group
 from megamoe_plugin.buffer import SIGNAL_WORDS
-from megamoe_plugin.testing import check_outputs, fill_buffer, random_inputs, random_layer
+from megamoe_plugin.testing import check_outputs, fill_buffer, random_inputs, random_layer, reference_ranks
 
 
 def main():
@@ -31,7 +31,7 @@ def main():
     buf = mm.get_symm_buffer(None, E, N, K, H, I, pool_rows=args.pool_rows)
     inputs = random_inputs(N, H, E, K, "uniform", "cuda", gen)
     fill_buffer(buf, inputs)
-    ranks = [{k: v for k, v in inputs.items() if k != "hidden_states"}]
+    ranks = reference_ranks([inputs])
     ys, inter = mm.reference.mega_moe(ranks, [layer.checkpoint], E, return_intermediates=True)
     idx = inputs["topk_idx"]
     counts = torch.bincount(idx[idx >= 0], minlength=E)
