@@ -274,8 +274,8 @@ def _raise_if_not_buildable(buf: SymmBuffer, variants, num_tokens_list: List[int
     if unbuildable:
         s = buf.shape
         raise KernelMissingError(unbuildable, why, build_command(
-            s.hidden, s.intermediate_size, s.num_experts, s.num_topk, s.num_ranks, num_tokens_list,
-            _device_name(buf.device), (numerics,), fast_math))
+            s.hidden, s.intermediate_size, s.num_routed_experts, s.num_routed_topk, s.num_ranks, num_tokens_list,
+            _device_name(buf.device), (numerics,), fast_math, num_shared_experts=s.num_shared_experts))
 
 
 def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer,

@@ -61,13 +61,33 @@ def test_a_model_config_replaces_the_reference_configs(tmp_path):
     assert configs == [("model", (2048, 768, 8), 128)]
 
 
+@pytest.mark.parametrize("config, argv, shared", [
+    ({}, [], 0),
+    ({"n_shared_experts": 1}, [], 1),  # the model's own
+    ({"n_shared_experts": 1}, ["--shared-experts", "0"], 0),  # the option overrides it
+    ({}, ["--shared-experts", "2"], 2),
+    (None, [], 0),  # the reference configs
+    (None, ["--shared-experts", "2"], 2),
+])
+def test_shared_experts_from_the_model_or_the_option(tmp_path, config, argv, shared):
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "hidden_size": 7168,
+                                                          "moe_intermediate_size": 2048, "n_routed_experts": 256,
+                                                          "num_experts_per_tok": 8, **config}))
+        argv = ["--model", str(tmp_path), *argv]
+    args, configs, _, _ = cli.parse_args(argv)
+    assert args.shared_experts == shared
+    assert len(configs) == (1 if config is not None else 2)
+
+
 @pytest.mark.parametrize("argv, needle", [(["--configs", "v3,nope"], "--configs: unknown config(s) nope"),
                                           (["--tokens", "1,x"], "--tokens: '1,x' is not"),
                                           (["--tokens", "-1"], "counts must be >= 0"),
                                           (["--numerics", "fp4"], "--numerics: unknown mode(s) fp4"),
                                           (["--baseline", "cublas"], "invalid choice: 'cublas'"),
                                           (["--iters", "0"], "--iters must be >= 1"),
-                                          (["--shared-experts", "-1"], "--shared-experts must be >= 0"),
+                                          (["--shared-experts", "-1"],
+                                           "argument --shared-experts: expected an integer >= 0, got '-1'"),
                                           (["--hidden", "2048"], "all of --hidden --intermediate-size")])
 def test_bad_options_are_named(argv, needle, capsys):
     with pytest.raises(SystemExit) as info:

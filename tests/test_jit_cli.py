@@ -64,3 +64,17 @@ def test_limit_is_a_positive_count(value, capsys):
         main(["--check", "--limit", value])
     assert info.value.code == 2
     assert "argument --limit: expected an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("-1", "argument --shared-experts: expected an integer >= 0, got '-1'"),
+    ("9", "num_topk=8 routed plus num_shared_experts=9 shared slots per token is more than the kernel's 16"),
+])
+def test_build_refuses_shared_experts_the_kernel_cannot_take(value, needle, monkeypatch, capsys):
+    from megamoe_plugin.jit.cli import main
+
+    monkeypatch.setattr(jit, "find_toolchain", lambda: (object(), ""))
+    with pytest.raises(SystemExit) as info:
+        main(["--build", "--hidden", "7168", "--intermediate-size", "2048", "--num-experts", "256", "--topk", "8",
+              "--shared-experts", value])
+    assert info.value.code == 2 and needle in capsys.readouterr().err

@@ -16,7 +16,7 @@ import megamoe_plugin as mm
 from kernel_stand_ins import compiles, fresh_toolchain, stand_in_toolchain  # noqa: F401
 from megamoe_plugin import jit, kernel_variant, ops, progress, validation
 from megamoe_plugin.jit import cli, command
-from megamoe_plugin.variants import deployment_variants
+from megamoe_plugin.variants import build_variants_for, deployment_variants
 from megamoe_plugin.model_config import MoEShape, shape_from_args
 
 HAVE_NVCC = shutil.which("nvcc") is not None or os.path.exists(os.path.join(jit.STANDARD_CUDA_HOME, "bin", "nvcc"))
@@ -31,8 +31,8 @@ def build_command_variants(command_line):
     parser = cli.parser()
     args = parser.parse_args(argv[3:])
     shape = shape_from_args(args, parser, required=True)
-    return args, deployment_variants(shape, args.ep_size, command.parse_batch_sizes(args.batch_sizes), args.gpu,
-                                     tuple(args.numerics.split(",")), args.fast_math)
+    return args, build_variants_for(shape, args.ep_size, command.parse_batch_sizes(args.batch_sizes), args.gpu,
+                                    tuple(args.numerics.split(",")), args.fast_math)
 
 
 def test_cache_key_needs_no_toolkit_and_each_toolchain_has_its_build(jit_cache, stand_in_toolchain, request):
@@ -135,6 +135,44 @@ def test_build_cli_compiles_the_selected_variants_with_progress(jit_cache, monke
     assert f"megamoe: building kernels: {len(expected)}/{len(expected)} variants" in err
     assert f"{len(expected)} of {len(expected)} variants built in {jit_cache}" in out
     assert f"MEGAMOE_CACHE_DIR={jit_cache}" in out
+
+
+def test_deployment_variants_run_the_shared_experts_as_local_experts(jit_cache):
+    """S = 1 on 8 ranks: every variant is of the kernel's shape, E + 8 experts and K + 1 slots
+    (BufferShape.of_routed), which is what a routed-only shape of that size selects."""
+    counts = [0, 1, 64, 512, 4096]
+    variants = deployment_variants(MoEShape(7168, 2048, 256, 8, num_shared_experts=1), 8, counts, command.DEFAULT_GPU)
+    assert variants and all("_k9_e264_r8_" in v.name() for v in variants)
+    assert variants == deployment_variants(MoEShape(7168, 2048, 264, 9), 8, counts, command.DEFAULT_GPU)
+    assert not set(variants) & set(deployment_variants(MoEShape(7168, 2048, 256, 8), 8, counts, command.DEFAULT_GPU))
+
+
+def test_build_command_names_the_shared_experts(jit_cache):
+    """The routed E and K with S: the command builds the variants of the shape with S shared
+    experts; without S it names none."""
+    gpu, counts = "NVIDIA H100 80GB HBM3", [1, 64]
+    text = command.build_command(7168, 2048, 256, 8, 8, counts, gpu, ("fast",), num_shared_experts=1)
+    assert "--num-experts 256 --topk 8 --shared-experts 1 --ep-size 8" in text
+    _, variants = build_command_variants(text)
+    in_the_call = deployment_variants(MoEShape(7168, 2048, 256, 8, num_shared_experts=1), 8, counts, gpu, ("fast",))
+    beside = deployment_variants(MoEShape(7168, 2048, 256, 8), 8, counts, gpu, ("fast",))
+    assert variants == in_the_call + beside
+    assert "--shared-experts" not in command.build_command(7168, 2048, 256, 8, 8, counts, gpu)
+
+
+def test_build_cli_builds_a_models_shared_experts(jit_cache, monkeypatch, capsys):
+    """From the e2e DeepSeek-V3 model's config.json (n_shared_experts 1, 128 routed experts, top-8): the
+    calls with the shared experts in them, and the routed-only ones (a framework that runs them beside)."""
+    built = []
+    monkeypatch.setattr(jit, "find_toolchain", lambda: (object(), ""))
+    monkeypatch.setattr(jit, "compile_variant", lambda variant, verbose=False: built.append(variant))
+    monkeypatch.setattr("megamoe_plugin.jit.build.progress_bar",
+                        lambda total, desc, unit: progress._Lines(total, desc, unit))
+    model = Path(__file__).resolve().parents[1] / "tools" / "e2e" / "models" / "deepseek_v3_fp8"
+    assert cli.main(["--build", "--model", str(model), "--ep-size", "8", "--batch-sizes", "0-256", "--numerics",
+                     "fast", "--cache-dir", str(jit_cache)]) == 0
+    assert built and {(v.num_experts, v.num_topk, v.num_ranks) for v in built} == {(128 + 8, 8 + 1, 8), (128, 8, 8)}
+    assert "top-8, 1 shared expert, EP 8" in capsys.readouterr().out
 
 
 def test_build_without_a_toolchain_is_one_line(jit_cache, no_nvcc):

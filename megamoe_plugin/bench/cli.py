@@ -71,26 +71,28 @@ def parser() -> argparse.ArgumentParser:
                                                          "(default: %(default)s)")
     p.add_argument("--no-fast-math", dest="fast_math", action="store_false",
                    help="call with fast_math=False (exact SwiGLU math)")
-    p.add_argument("--shared-experts", type=int, default=0, metavar="S",
-                   help="S shared experts of the routed experts' intermediate size in every call (docs/design.md "
-                        "section 2): the fused call, whose floor counts them; no baseline then (default: %(default)s)")
     p.add_argument("--baseline", choices=BASELINES, default="auto",
                    help="what to time beside megamoe on one GPU: vllm (vLLM's Triton fused MoE), torch (an unfused "
                         "per-expert torch path: torch._scaled_mm with block scales, SwiGLU, FP8 requant), auto "
-                        "(vllm if importable, else torch) or none (default: %(default)s)")
+                        "(vllm if importable, else torch) or none; none with --shared-experts (docs/design.md "
+                        "section 2: the fused call's floor counts them) (default: %(default)s)")
     p.add_argument("--results", default="megamoe-bench-results", metavar="DIR",
                    help="folder for the JSON file and the PNG plot (matplotlib) (default: %(default)s)")
     return p
 
 
 def parse_args(argv: Optional[List[str]] = None):
-    """(args, [(config name, (H, I, K), local experts or None for the EP size's share)], tokens,
-    numerics modes); exits through parser.error on a bad option."""
+    """(args, [(config name, (H, I, K), routed experts E or None for LOCAL_EXPERTS per rank)], tokens,
+    numerics modes), args.shared_experts the S of every config; exits through parser.error on a
+    bad option."""
     from ..model_config import shape_from_args
 
     p = parser()
     args = p.parse_args(argv)
     shape = shape_from_args(args, p, required=False)
+    # The model's shared experts (an explicit --shared-experts already in the shape), else the
+    # option's for every reference config.
+    args.shared_experts = shape.num_shared_experts if shape is not None else args.shared_experts or 0
     if shape is not None:
         configs = [(shape.name, (shape.hidden, shape.intermediate_size, shape.num_topk), shape.num_experts)]
     else:
@@ -110,8 +112,6 @@ def parse_args(argv: Optional[List[str]] = None):
         p.error(f"--numerics: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(NUMERICS_MODES)}")
     if args.iters < 1:
         p.error("--iters must be >= 1")
-    if args.shared_experts < 0:
-        p.error("--shared-experts must be >= 0")
     if args.baseline == "vllm" and importlib.util.find_spec("vllm") is None:
         p.error("--baseline vllm: vllm is not installed (pip install 'megamoe_plugin[vllm]'), or use --baseline torch")
     return args, configs, tokens, numerics

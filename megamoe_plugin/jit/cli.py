@@ -32,7 +32,11 @@ def parser() -> argparse.ArgumentParser:
 
 --build compiles every variant that the runtime's selection (the GPU's tuned table, else
 the heuristics; MEGAMOE_BLOCK_M / MEGAMOE_NUM_STAGES as set) picks for the shape on
---ep-size ranks at each batch size, in each numerics mode. Copy the folder to the serving
+--ep-size ranks at each batch size, in each numerics mode. A model's shared experts (its
+config's n_shared_experts, or --shared-experts) run in the kernel's call as S more experts per
+rank and S more slots per token where the framework hands them over (vLLM, DeepSeek-family
+layers), beside it otherwise (SGLang; forms the kernel cannot take): both sets of variants are
+built. Copy the folder to the serving
 machine and point MEGAMOE_CACHE_DIR at it: the kernel then loads without nvcc. The folder is
 code: the serving process refuses one that other users can write, and any cubin that its
 build's manifest does not vouch for (--build replaces those).""")
@@ -90,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1 if failures else 0
 
     from ..model_config import shape_from_args
-    from ..variants import deployment_variants
+    from ..variants import build_variants_for
     from .build import build_variants
 
     shape = shape_from_args(args, p, required=True)
@@ -102,7 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"--numerics: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(NUMERICS_MODES)}")
     try:
         counts = parse_batch_sizes(args.batch_sizes)
-        variants = deployment_variants(shape, args.ep_size, counts, args.gpu, numerics, args.fast_math)
+        variants = build_variants_for(shape, args.ep_size, counts, args.gpu, numerics, args.fast_math)
     except ValueError as exc:
         p.error(str(exc))
     print(f"{shape.describe()}, EP {args.ep_size}, {len(counts)} batch sizes, {', '.join(numerics)} numerics "

@@ -40,11 +40,16 @@ def format_batch_sizes(counts: Iterable[int]) -> str:
 
 def build_command(hidden: int, intermediate_size: int, num_experts: int, num_topk: int, ep_size: int,
                   batch_sizes: Optional[Iterable[int]] = None, gpu: Optional[str] = None,
-                  numerics: Sequence[str] = NUMERICS_MODES, fast_math: bool = True) -> str:
+                  numerics: Sequence[str] = NUMERICS_MODES, fast_math: bool = True,
+                  num_shared_experts: int = 0) -> str:
     """The --build command line that pre-builds these variants into the current cache folder
-    (what a KernelMissingError says to run)."""
+    (what a KernelMissingError says to run); num_experts and num_topk are the routed ones, to
+    which the kernel's shape adds the shared experts."""
     args = [*PROG.split(), "--build", "--hidden", str(hidden), "--intermediate-size", str(intermediate_size),
-            "--num-experts", str(num_experts), "--topk", str(num_topk), "--ep-size", str(ep_size)]
+            "--num-experts", str(num_experts), "--topk", str(num_topk)]
+    if num_shared_experts:
+        args += ["--shared-experts", str(num_shared_experts)]
+    args += ["--ep-size", str(ep_size)]
     if batch_sizes is not None:
         args += ["--batch-sizes", format_batch_sizes(batch_sizes)]
     if gpu is not None and gpu != DEFAULT_GPU:
