@@ -126,11 +126,12 @@ def buffer_key(group: EPGroup, device: torch.device, shape: Tuple[int, ...]) -> 
 
 
 def get_buffer(group: EPGroup, device: torch.device, num_experts: int, max_tokens: int, topk: int, hidden: int,
-               intermediate: int):
-    """The shared buffer for this (group, device, shape), allocating it (collectively) on first use."""
+               intermediate: int, num_shared_experts: int = 0):
+    """The shared buffer for this (group, device, shape), allocating it (collectively) on first use.
+    num_shared_experts: shared experts every call runs beside the routed ones (get_symm_buffer's)."""
     import megamoe_plugin as mm
 
-    key = buffer_key(group, device, (num_experts, max_tokens, topk, hidden, intermediate))
+    key = buffer_key(group, device, (num_experts, max_tokens, topk, hidden, intermediate, num_shared_experts))
     with _lock:
         buf = _buffers.get(key)
         if buf is not None:
@@ -140,13 +141,15 @@ def get_buffer(group: EPGroup, device: torch.device, num_experts: int, max_token
                 "megamoe_sm90: the symmetric buffer must be created before CUDA-graph capture (the framework's "
                 "profile or warm-up forward does this); a layer's first forward ran inside capture")
         t0 = time.perf_counter()
-        nbytes = mm.get_symm_buffer_size(group.world_size, num_experts, max_tokens, topk, hidden, intermediate)
-        buf = mm.get_symm_buffer(group.device_group if group.world_size > 1 else None, num_experts, max_tokens,
-                                 topk, hidden, intermediate, device=device)
+        shape = dict(num_experts=num_experts, num_max_tokens_per_rank=max_tokens, num_topk=topk, hidden=hidden,
+                     intermediate_size=intermediate, num_shared_experts=num_shared_experts)
+        nbytes = mm.get_symm_buffer_size(group.world_size, **shape)
+        buf = mm.get_symm_buffer(group.device_group if group.world_size > 1 else None, device=device, **shape)
         _buffers[key] = buf
-        logger.info("megamoe_sm90: symmetric buffer for %d experts, top-%d, hidden %d, intermediate %d, up to %d "
-                    "tokens/rank over %d EP rank(s): %.1f MiB per rank (%.2fs)", num_experts, topk, hidden,
-                    intermediate, max_tokens, group.world_size, nbytes / 2**20, time.perf_counter() - t0)
+        logger.info("megamoe_sm90: symmetric buffer for %d experts, top-%d%s, hidden %d, intermediate %d, up to %d "
+                    "tokens/rank over %d EP rank(s): %.1f MiB per rank (%.2fs)", num_experts, topk,
+                    f", {num_shared_experts} shared" if num_shared_experts else "", hidden, intermediate, max_tokens,
+                    group.world_size, nbytes / 2**20, time.perf_counter() - t0)
         return buf
 
 
@@ -216,27 +219,30 @@ def maybe_warmup(buf, key: Tuple, l1, l2, token_counts: Iterable[int], numerics:
 
 def run_kernel(output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                topk_weights: torch.Tensor, l1, l2, buf, activation_clamp: Optional[float],
-               numerics: Optional[Numerics] = None, rank_equal_num_tokens: Callable[[int], int] = int) -> None:
+               numerics: Optional[Numerics] = None, rank_equal_num_tokens: Callable[[int], int] = int,
+               shared_scale: float = 1.0) -> None:
     """`rank_equal_num_tokens(n)`: a token count equal on every EP rank (the framework knows
-    the other ranks' batch sizes), so that every rank picks the same kernel config."""
+    the other ranks' batch sizes), so that every rank picks the same kernel config.
+    shared_scale: the routing weight of the buffer's shared experts (stage_inputs')."""
     import megamoe_plugin as mm
 
-    n = mm.stage_inputs(buf, hidden_states, topk_ids, topk_weights)
+    n = mm.stage_inputs(buf, hidden_states, topk_ids, topk_weights, shared_scale=shared_scale)
     # Through the registered op, so that the framework's torch.compile keeps the layer in one graph.
     mm.custom_op.fp8_mega_moe(output[:n], l1, l2, buf, activation_clamp=activation_clamp, fast_math=True,
                               config_num_tokens=rank_equal_num_tokens(n), numerics=numerics)
 
 
 def run_reference(output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor, l1, l2, buf, num_experts: int,
-                  activation_clamp: Optional[float]) -> None:
-    """The same staging, then the float32 reference on the staged inputs. The kernel
-    layout is inverted per call (no second copy of the weights is kept)."""
+                  topk_weights: torch.Tensor, l1, l2, buf, activation_clamp: Optional[float],
+                  shared_scale: float = 1.0) -> None:
+    """The same staging, then the float32 reference on the staged inputs, as the kernel sees
+    them (its expert numbering, shared experts included). The kernel layout is inverted per
+    call (no second copy of the weights is kept)."""
     import megamoe_plugin as mm
 
-    n = mm.stage_inputs(buf, hidden_states, topk_ids, topk_weights)
+    n = mm.stage_inputs(buf, hidden_states, topk_ids, topk_weights, shared_scale=shared_scale)
     (w13, w13_scale), (w2, w2_scale) = mm.untransform_weights(tuple(l1), tuple(l2))
     ranks = [dict(x=buf.x[:n], x_sf=buf.x_sf[:n], topk_idx=buf.topk_idx[:n], topk_weights=buf.topk_weights[:n])]
     weights = [dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)]
-    (y,) = mm.reference.mega_moe(ranks, weights, num_experts, activation_clamp=activation_clamp)
+    (y,) = mm.reference.mega_moe(ranks, weights, buf.shape.num_experts, activation_clamp=activation_clamp)
     output[:n].copy_(y)

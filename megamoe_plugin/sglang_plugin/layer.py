@@ -152,7 +152,7 @@ def _run_routed(experts, hidden_states, topk_ids, topk_weights, buf, num_tokens,
     clamp = None if activation_clamp is None else float(activation_clamp)
     y = torch.empty((num_tokens, hidden_size), dtype=torch.bfloat16, device=hidden_states.device)
     if serving.get_executor() == "reference":
-        serving.run_reference(y, hidden_states, topk_ids, topk_weights, l1, l2, buf, experts.num_experts, clamp)
+        serving.run_reference(y, hidden_states, topk_ids, topk_weights, l1, l2, buf, clamp)
         return y
     # Layers share a buffer; the first call on it compiles the variants and builds the kernel
     # params of every loaded layer (build_weights registered them): SGLang's eager warm-up

@@ -33,7 +33,7 @@ from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_confi
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
 from vllm.model_executor.utils import set_weight_attrs
 
-from . import BACKEND, compat, executor, refusals
+from . import BACKEND, compat, executor, refusals, shared_experts
 
 BLOCK = 128
 WEIGHT_NAMES = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
@@ -54,7 +54,8 @@ class MegaMoEPrepareAndFinalize(compat.prepare_finalize_base()):
 
 
 class LayerRuntime:
-    """Per-layer facts the experts need at call time (sizes, EP group, executor)."""
+    """Per-layer facts the experts need at call time (sizes, EP group, executor), and the weights
+    the kernel reads (set at load: the routed experts, then the shared ones where the kernel runs them)."""
 
     def __init__(self, moe_config, executor_name: str, max_tokens: int, capture_sizes, activation_clamp):
         par = moe_config.moe_parallel_config
@@ -68,33 +69,41 @@ class LayerRuntime:
         self.warmup_counts = executor.warmup_token_counts(max_tokens, capture_sizes)
         self.activation_clamp = None if activation_clamp is None else float(activation_clamp)
         self.numerics = executor.vllm_numerics()
+        self.l1 = self.l2 = None
+        self.num_shared_experts, self.shared_scale = 0, 1.0
+
+    def _shape(self):
+        return (self.num_experts, self.max_tokens, self.topk, self.hidden, self.intermediate, self.num_shared_experts)
 
     def buffer(self, device: torch.device):
-        return executor.get_buffer(self.group, device, self.num_experts, self.max_tokens, self.topk, self.hidden,
-                                   self.intermediate)
+        return executor.get_buffer(self.group, device, *self._shape())
 
     def buffer_key(self, device: torch.device):
-        return executor.buffer_key(self.group, device, (self.num_experts, self.max_tokens, self.topk, self.hidden,
-                                                        self.intermediate))
+        return executor.buffer_key(self.group, device, self._shape())
 
-    def register_weights(self, layer, l1, l2) -> None:
-        """At load: the first forward's warm-up then builds this layer's kernel params too,
+    def set_weights(self, layer, l1, l2, shared: Optional[shared_experts.KernelSharedExperts]) -> None:
+        """At load: the kernel-layout weights, with `shared`'s experts after the routed ones where
+        the kernel runs them. The first forward's warm-up then builds this layer's kernel params too,
         whichever layer runs first."""
+        self.l1, self.l2 = tuple(l1), tuple(l2)
+        if shared is not None:
+            self.num_shared_experts, self.shared_scale = shared.num_experts, shared.routing_weight
         if self.executor == "kernel":
-            executor.register_layer_weights(self.buffer_key(l1[0].device), layer, l1, l2)
+            executor.register_layer_weights(self.buffer_key(self.l1[0].device), layer, self.l1, self.l2)
 
     def run(self, output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
-            topk_weights: torch.Tensor, l1, l2) -> None:
+            topk_weights: torch.Tensor) -> None:
         if not hidden_states.is_contiguous():
             hidden_states = hidden_states.contiguous()
         buf = self.buffer(hidden_states.device)
         if self.executor == "kernel":
-            executor.maybe_warmup(buf, self.buffer_key(buf.device), l1, l2, self.warmup_counts, self.numerics)
-            executor.run_kernel(output, hidden_states, topk_ids, topk_weights, l1, l2, buf, self.activation_clamp,
-                                self.numerics)
+            executor.maybe_warmup(buf, self.buffer_key(buf.device), self.l1, self.l2, self.warmup_counts,
+                                  self.numerics)
+            executor.run_kernel(output, hidden_states, topk_ids, topk_weights, self.l1, self.l2, buf,
+                                self.activation_clamp, self.numerics, shared_scale=self.shared_scale)
         else:
-            executor.run_reference(output, hidden_states, topk_ids, topk_weights, l1, l2, buf, self.num_experts,
-                                   self.activation_clamp)
+            executor.run_reference(output, hidden_states, topk_ids, topk_weights, self.l1, self.l2, buf,
+                                   self.activation_clamp, shared_scale=self.shared_scale)
 
 
 class MegaMoEExperts(mk.FusedMoEExpertsModular):
@@ -159,13 +168,9 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input):
-        self.run(output, hidden_states, topk_ids, topk_weights, w1, w2)
+        # w1, w2 are the layer's parameters: the routed experts of the weights the runtime holds
+        self.runtime.run(output, hidden_states, topk_ids, topk_weights)
         return None
-
-    def run(self, output, hidden_states, topk_ids, topk_weights, w1, w2) -> None:
-        l1 = (w1, self.quant_config.w1_scale)
-        l2 = (w2, self.quant_config.w2_scale)
-        self.runtime.run(output, hidden_states, topk_ids, topk_weights, l1, l2)
 
 
 def _register(layer, name: str, tensor: torch.Tensor, attrs: dict) -> None:
@@ -228,6 +233,9 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
         self.experts: Optional[MegaMoEExperts] = None
 
         vllm_config = get_current_vllm_config()
+        # where the runner registers itself under the layer's name: process_weights_after_loading finds
+        # the layer's shared experts there
+        self._runners = vllm_config.compilation_config.static_forward_context
         self.executor_name = executor.get_executor()
         refusals.check_quantization(quant_config)
         refusals.check_layer(self.moe, layer, executor=self.executor_name)
@@ -273,17 +281,30 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
         layer.w2_input_scale = None
 
     def process_weights_after_loading(self, layer) -> None:
-        """Checkpoint layout -> kernel layout in place of the parameters' data, then the kernel."""
+        """Checkpoint layout -> kernel layout in place of the parameters' data, with the layer's shared
+        experts where the kernel can run them (shared_experts.take_from_runner), then the kernel."""
         import megamoe_plugin as mm
 
         w13, s13 = layer.w13_weight, layer.w13_weight_scale_inv
         w2, s2 = layer.w2_weight, layer.w2_weight_scale_inv
         if s13.dim() == 3:  # checkpoint layout (a second call finds the kernel layout: 4-D w13 scales)
-            (t13, ts13), (t2, ts2) = mm.transform_weights((w13.data, s13.data), (w2.data, s2.data))
-            # Rebind, never copy: the old storages are released here, the parameters (and
-            # with them EPLB's view of the experts) now hold what the kernel reads.
-            w13.data, s13.data, w2.data, s2.data = t13, ts13, t2, ts2
-        self.runtime.register_weights(layer, (w13, s13), (w2, s2))
+            rt = self.runtime
+            shared = shared_experts.take_from_runner(self._runners.get(layer.layer_name), self.moe,
+                                                     rt.activation_clamp, rt.group.world_size, rt.num_experts,
+                                                     rt.max_tokens, rt.topk, rt.hidden, rt.intermediate)
+            l1, l2 = mm.transform_weights((w13.data, s13.data), (w2.data, s2.data),
+                                          shared=None if shared is None else shared.weights)
+            # Rebind, never copy: the old storages are released here; the parameters (and with them
+            # EPLB's view of the experts) are the routed experts of what the kernel reads.
+            routed = w13.shape[0]
+            w13.data, s13.data = (t[:routed] for t in l1)
+            w2.data, s2.data = (t[:routed] for t in l2)
+            self.runtime.set_weights(layer, l1, l2, shared)
+            if shared is not None and self.executor_name == "kernel":  # the call's variants are others now
+                refusals.check_kernels_loadable(rt.hidden, rt.intermediate, rt.num_experts, rt.topk,
+                                                rt.group.world_size, rt.max_tokens, rt.numerics, shared.num_experts)
+        elif self.runtime.l1 is None:  # weights that were already in the kernel layout when loaded
+            self.runtime.set_weights(layer, (w13.data, s13.data), (w2.data, s2.data), None)
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
         self.experts = MegaMoEExperts(self.moe, self.moe_quant_config, self.runtime)
         self.moe_kernel = mk.FusedMoEKernel(MegaMoEPrepareAndFinalize(), self.experts)
@@ -336,7 +357,7 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
             # Every EP rank takes part in every step; vLLM's modular kernel skips the
             # experts for an empty batch, so call them directly.
             out = x.new_empty(x.shape)
-            self.experts.run(out, x, topk_ids, topk_weights, layer.w13_weight, layer.w2_weight)
+            self.runtime.run(out, x, topk_ids, topk_weights)
             return out
         return self.moe_kernel.apply(
             x,

@@ -302,11 +302,11 @@ _layer_variants: Dict[Tuple, list] = {}
 
 
 def check_kernels_loadable(hidden: int, intermediate_size: int, num_experts: int, num_topk: int, ep_size: int,
-                           max_tokens: int, numerics: Optional[Numerics]) -> None:
+                           max_tokens: int, numerics: Optional[Numerics], num_shared_experts: int = 0) -> None:
     """Where nothing can compile (no nvcc: a serving container with the driver only), every
     kernel variant a step of this layer can select (any batch of 0..max_tokens tokens per
-    rank) must be in the cache, or the first forward would fail: refused here, naming the
-    --build command that pre-builds them."""
+    rank, with its shared experts in the call) must be in the cache, or the first forward would
+    fail: refused here, naming the --build command that pre-builds them."""
     from .. import jit
     from ..jit.command import build_command
     from ..variants import deployment_variants
@@ -316,13 +316,14 @@ def check_kernels_loadable(hidden: int, intermediate_size: int, num_experts: int
     if jit.find_toolchain()[0] is not None:
         return
     mode, gpu = resolve_numerics(numerics), _probe.device_name()
-    key = (hidden, intermediate_size, num_experts, num_topk, ep_size, max_tokens, mode, gpu)
+    shape = MoEShape(hidden, intermediate_size, num_experts, num_topk, num_shared_experts=num_shared_experts)
+    key = (shape, ep_size, max_tokens, mode, gpu)
     if key not in _layer_variants:
-        _layer_variants[key] = deployment_variants(MoEShape(hidden, intermediate_size, num_experts, num_topk),
-                                                   ep_size, range(max_tokens + 1), gpu, (mode,))
+        _layer_variants[key] = deployment_variants(shape, ep_size, range(max_tokens + 1), gpu, (mode,))
     missing, why = jit.missing_variants(_layer_variants[key])
     if missing:
-        command = build_command(hidden, intermediate_size, num_experts, num_topk, ep_size, range(max_tokens + 1), gpu)
+        command = build_command(hidden, intermediate_size, num_experts, num_topk, ep_size, range(max_tokens + 1), gpu,
+                                num_shared_experts=num_shared_experts)
         raise MegaMoEUnsupportedError(
             f"{len(missing)} of the {len(_layer_variants[key])} kernel variants this layer can run are not in the "
             f"cache {jit.cache_dir()} (MEGAMOE_CACHE_DIR): {', '.join(v.name() for v in missing)}; none can be "

@@ -4,16 +4,21 @@
 
 MODE "dp": `--data-parallel-size 2 --enable-expert-parallel`, this process is DP rank RANK.
 MODE "tp": `--tensor-parallel-size 2 --enable-expert-parallel` (no DP), TP rank RANK.
+MODE "dp_shared1", "dp_shared2": "dp" with a DeepSeek-family layer of S = 1, 2 shared experts
+(vLLM's DeepseekV2MLP of intermediate S * I, as test_vllm_shared_experts.py builds it), which
+the plugin folds into the kernel's call at load.
 
 The rank builds vLLM's distributed groups, a megamoe_sm90 MoE layer through vLLM's
 factory, loads the whole fixture checkpoint through vLLM's weight loader (which keeps
 this rank's experts) and runs the layer's forward as vLLM's runner does. The GPU pieces
 are replaced by stand-ins that keep their cross-rank contract:
-- the symmetric buffer is a CPU SymmBuffer whose rank is the rank of the process group
-  the plugin passes (as torch's rendezvous would have it);
+- the symmetric buffer is a CPU SymmBuffer of get_symm_buffer's shape (shared experts
+  included) whose rank is the rank of the process group the plugin passes (as torch's
+  rendezvous would have it);
 - the kernel op gathers every rank's staged inputs and experts over the buffer's group
   and writes this rank's rows of the float32 multi-rank reference (megamoe_plugin.reference),
-  i.e. what the kernel's dispatch and combine compute, and records the token count it
+  i.e. what the kernel's dispatch and combine compute, in the kernel's expert numbering
+  (each rank's shared experts after its routed ones), and records the token count it
   was told to choose its variant by.
 vLLM's collectives (GroupCoordinator methods) are recorded while the layer runs. The
 parent test gets everything in OUT (torch.save) and asserts there.
@@ -27,17 +32,23 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import conftest  # noqa: E402  (vLLM's CPU platform, the fixture model, build_moe)
 from test_vllm_layer import _inputs, load_checkpoint, make_checkpoint  # noqa: E402
 from test_vllm_refusals import FakeProbe, _Records  # noqa: E402
+from test_vllm_shared_experts import ROUTED_SCALING_FACTOR, _shared_mlp, use_triton_block_fp8_linears  # noqa: E402
 
 # Token counts per rank: different variants if each rank chose by its own count.
 DP_TOKENS = (3, 40)
 TP_TOKENS = 9
 CHECKPOINT_SEED = 21
+# The shared-expert MLP's checkpoint: seed SHARED_SEED + S.
+SHARED_SEED = 60
+# MODE: (vLLM's parallelism, the layer's shared experts S)
+MODES = {"dp": ("dp", 0), "tp": ("tp", 0), "dp_shared1": ("dp", 1), "dp_shared2": ("dp", 2)}
 COLLECTIVES = ("all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "reduce_scatterv",
                "dispatch_router_logits", "dispatch", "combine")
 
@@ -80,11 +91,13 @@ def install_stand_ins(rec):
     from megamoe_plugin.buffer import BufferShape, SymmBuffer, get_symm_buffer_size
     from megamoe_plugin.vllm_plugin import executor, refusals
 
-    def cpu_symm_buffer(group, num_experts, max_tokens, topk, hidden, inter, device=None):
+    def cpu_symm_buffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size,
+                        device=None, pool_rows=None, num_shared_experts=0):  # get_symm_buffer's arguments
         num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-        storage = torch.zeros(get_symm_buffer_size(num_ranks, num_experts, max_tokens, topk, hidden, inter),
-                              dtype=torch.uint8)
-        shape = BufferShape(num_ranks, num_experts, max_tokens, topk, hidden, inter)
+        routed = (num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_size, pool_rows,
+                  num_shared_experts)
+        storage = torch.zeros(get_symm_buffer_size(num_ranks, *routed), dtype=torch.uint8)
+        shape = BufferShape.of_routed(num_ranks, *routed)
         buf = SymmBuffer(shape, storage, rank, (storage.data_ptr(),) * num_ranks, group=group)
         rec.buffers.append(buf)
         return buf
@@ -100,7 +113,8 @@ def install_stand_ins(rec):
         every = [None] * buf.num_ranks
         dist.all_gather_object(every, _to_bytes(mine), group=buf.group)  # pickle alone garbles fp8 storages
         every = [torch.load(io.BytesIO(b)) for b in every]
-        ys = mm.reference.mega_moe([r[0] for r in every], [r[1] for r in every], buf.num_experts,
+        # The kernel's experts: the routed ones (buf.num_experts) and every rank's shared ones.
+        ys = mm.reference.mega_moe([r[0] for r in every], [r[1] for r in every], buf.shape.num_experts,
                                    activation_clamp=activation_clamp)
         y.copy_(ys[buf.rank])
 
@@ -108,7 +122,8 @@ def install_stand_ins(rec):
             return dataclasses.asdict(variants.variant_for(buf.shape, "NVIDIA H200", 132, num_tokens, True, "fast"))
 
         rec.ops.append(dict(n=n, config_num_tokens=config_num_tokens, buffer_rank=buf.rank,
-                            variant=variant(config_num_tokens), local_variant=variant(n)))
+                            variant=variant(config_num_tokens), local_variant=variant(n),
+                            weight_experts=[w13.shape[0], s13.shape[0], w2.shape[0], s2.shape[0]]))
         return y
 
     mm.get_symm_buffer = cpu_symm_buffer
@@ -194,15 +209,48 @@ def run_tp(rec, cfg, runner, out):
                         collectives=list(rec.collectives))
 
 
+def build_layer(cfg, num_shared):
+    """The MoE layer through vLLM's factory with the whole fixture checkpoint loaded (vLLM's loader
+    keeps this rank's experts), not processed yet; with num_shared > 0, a DeepSeek shared-expert MLP of
+    num_shared * I (test_vllm_shared_experts.py), loaded and processed as the model loader does (shared
+    experts before the routed ones). Returns (runner, routed checkpoint, MLP or None, its checkpoint or None)."""
+    mlp, shared_ckpt, kwargs = None, None, {}
+    if num_shared:
+        use_triton_block_fp8_linears(pytest.MonkeyPatch())  # for the rest of this process
+        mlp, shared_ckpt = _shared_mlp(cfg, num_shared, seed=SHARED_SEED + num_shared)
+        kwargs = dict(shared_experts=mlp, routed_scaling_factor=ROUTED_SCALING_FACTOR,
+                      apply_routed_scale_to_output=True)
+    runner = conftest.build_moe(cfg, prefix="model.layers.0.mlp.experts", **kwargs)
+    experts, named = make_checkpoint(seed=CHECKPOINT_SEED)
+    load_checkpoint(runner, experts, named)
+    return runner, experts, mlp, shared_ckpt
+
+
+def kernel_weights(runner, mlp, shared_ckpt):
+    """What the kernel got at load: the runtime's shared experts and weights, against the layer's
+    parameters and what is left of vLLM's shared experts."""
+    ex = runner.routed_experts
+    rt = ex.quant_method.runtime
+    params = (ex.w13_weight, ex.w13_weight_scale_inv, ex.w2_weight, ex.w2_weight_scale_inv)
+    return dict(num_shared_experts=rt.num_shared_experts, shared_scale=rt.shared_scale,
+                kernel_weight_experts=[t.shape[0] for t in (*rt.l1, *rt.l2)],
+                param_experts=[p.shape[0] for p in params],
+                params_are_kernel_weights=[p.data_ptr() == t.data_ptr() for p, t in zip(params, (*rt.l1, *rt.l2))],
+                runner_has_shared_experts=runner.shared_experts is not None,
+                mlp_numel=None if mlp is None else sum(p.numel() for p in mlp.parameters()),
+                shared_ckpt=shared_ckpt)
+
+
 def main(mode, rank, port, out_path):
     from megamoe_plugin.vllm_plugin import register
 
+    parallel, num_shared = MODES[mode]
     register()
-    if mode == "dp":
+    if parallel == "dp":
         cfg = conftest.make_vllm_config(data_parallel_size=2, data_parallel_rank=rank)
     else:
         cfg = conftest.make_vllm_config(tensor_parallel_size=2)
-    init_vllm_groups(cfg, rank, port, tp=1 if mode == "dp" else 2)
+    init_vllm_groups(cfg, rank, port, tp=1 if parallel == "dp" else 2)
     rec = Recorder()
     install_stand_ins(rec)
     rec.spy_on_collectives()
@@ -211,27 +259,28 @@ def main(mode, rank, port, out_path):
 
     # Only now: building vLLM's config reconfigures logging, which drops the handlers of vllm.* loggers.
     with _Records() as warnings:
-        runner = conftest.build_moe(cfg, prefix="model.layers.0.mlp.experts")
-    experts, named = make_checkpoint(seed=CHECKPOINT_SEED)
-    load_checkpoint(runner, experts, named)
-    ex = runner.routed_experts
-    # The experts this rank holds, by their checkpoint bytes (before the kernel layout).
-    held = [next(e for e, entry in enumerate(experts)
-                 if torch.equal(ex.w2_weight.data[local].view(torch.uint8), entry["down_proj"][0].view(torch.uint8)))
-            for local in range(ex.w2_weight.shape[0])]
-    ex.quant_method.process_weights_after_loading(ex)
+        runner, experts, mlp, shared_ckpt = build_layer(cfg, num_shared)
+        ex = runner.routed_experts
+        # The experts this rank holds, by their checkpoint bytes (before the kernel layout).
+        held = [next(e for e, entry in enumerate(experts)
+                     if torch.equal(ex.w2_weight.data[local].view(torch.uint8),
+                                    entry["down_proj"][0].view(torch.uint8)))
+                for local in range(ex.w2_weight.shape[0])]
+        ex.quant_method.process_weights_after_loading(ex)
 
     ep = get_ep_group()
     par = ex.moe_config.moe_parallel_config
     out = dict(mode=mode, rank=rank, held_experts=held, ep_rank=ep.rank_in_group, moe_ep_rank=par.ep_rank,
                moe_ep_size=par.ep_size, moe_dp_size=par.dp_size, moe_tp_size=par.tp_size,
-               all2all_backend=cfg.parallel_config.all2all_backend)
-    if mode == "dp":
+               all2all_backend=cfg.parallel_config.all2all_backend, **kernel_weights(runner, mlp, shared_ckpt))
+    if parallel == "dp":
         run_dp(rec, cfg, runner, rank, out)
     else:
         run_tp(rec, cfg, runner, out)
     out["buffer_ranks"] = [b.rank for b in rec.buffers]
     out["buffer_group_is_ep"] = [b.group is ep.device_group for b in rec.buffers]
+    # the buffer's experts: routed (the layer's), the kernel's (shared ones included) and shared
+    out["buffer_experts"] = [(b.num_experts, b.shape.num_experts, b.num_shared_experts) for b in rec.buffers]
     out["warnings"] = list(warnings)
     torch.save(out, out_path)
     dist.barrier()

@@ -11,7 +11,11 @@ dispatch and combine would. These tests check, for the deployment the kernel exi
   around the layer, and each rank gets exactly its own tokens' MoE output (not R times it);
 - the buffer's rank is the EP rank whose experts vLLM loaded;
 - the kernel variant is chosen by a token count equal on all ranks (the DP-padded one);
-- TP-only expert parallelism logs its warning, DP + EP does not.
+- TP-only expert parallelism logs its warning, DP + EP does not;
+- a DeepSeek-family layer's shared experts (S = 1, 2) run in each rank's kernel call: each
+  rank's buffer and kernel weights hold its S shared experts after its routed ones, vLLM's
+  runner has none left to run, and each rank gets routed * routed_scaling_factor + shared
+  for its own tokens (a torch oracle from the checkpoints).
 """
 import os
 import subprocess
@@ -23,9 +27,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import TOPK, _free_port  # noqa: E402
+from conftest import HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOPK, _free_port  # noqa: E402
 from dp_ep_worker import CHECKPOINT_SEED, DP_TOKENS, TP_TOKENS  # noqa: E402
 from test_vllm_layer import _assert_close, make_checkpoint, torch_moe  # noqa: E402
+from test_vllm_shared_experts import ROUTED_SCALING_FACTOR, torch_shared  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +69,13 @@ def dp_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp_ranks(tmp_path_factory):
     return _run_ranks("tp", tmp_path_factory.mktemp("tp_ep"))
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["S1", "S2"])
+def dp_shared_ranks(request, tmp_path_factory):
+    """(S, both ranks' results) of DP + EP with a layer of S shared experts."""
+    mode = f"dp_shared{request.param}"
+    return request.param, _run_ranks(mode, tmp_path_factory.mktemp(mode))
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +147,51 @@ def test_variant_from_dp_padded_token_count_equal_on_all_ranks(dp_ranks):
 def test_dp_ep_logs_no_tp_only_warning(dp_ranks):
     for out in dp_ranks:
         assert not any("tensor parallelism only" in w for w in out["warnings"]), out["warnings"]
+
+
+# ----------------------------------------------------------------------------- DP + EP, shared experts
+
+
+def test_dp_ep_shared_experts_are_in_each_ranks_kernel(dp_shared_ranks):
+    """Each rank's kernel runs S shared experts after its E / R routed ones (kernel numbering), with
+    routing weight 1 / routed_scaling_factor; vLLM's runner is left with none to run."""
+    num_shared, ranks = dp_shared_ranks
+    local = NUM_EXPERTS // 2
+    for rank, out in enumerate(ranks):
+        assert out["held_experts"] == list(range(local * rank, local * rank + local))
+        assert out["num_shared_experts"] == num_shared
+        assert out["shared_scale"] == pytest.approx(1 / ROUTED_SCALING_FACTOR)
+        # one buffer: the layer's routed experts, the kernel's (2 ranks x (E/R + S)), S shared
+        assert out["buffer_experts"] == [(NUM_EXPERTS, 2 * (local + num_shared), num_shared)]
+        assert out["buffer_ranks"] == [rank] and out["buffer_group_is_ep"] == [True]
+        # The kernel's weights (w13, its scales, w2, its scales): E/R + S experts; the parameters
+        # (EPLB's view) are its routed ones, same storage. The op was handed them.
+        assert out["kernel_weight_experts"] == [local + num_shared] * 4
+        assert out["param_experts"] == [local] * 4 and all(out["params_are_kernel_weights"])
+        for case in ("eager", "padded"):
+            assert [op["weight_experts"] for op in out[case]["ops"]] == [[local + num_shared] * 4]
+        assert not out["runner_has_shared_experts"]
+        assert out["mlp_numel"] == 0  # the kernel's copy is the only one
+        assert not any("run beside the kernel" in w for w in out["warnings"]), out["warnings"]
+    # Both ranks loaded the one shared MLP of S * I (the oracle's checkpoint).
+    (q0, s0), (q1, s1) = (out["shared_ckpt"]["down_proj"] for out in ranks)
+    assert q0.shape == (HIDDEN, num_shared * INTERMEDIATE)
+    assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
+
+
+@pytest.mark.parametrize("case", ["eager", "padded"])
+def test_dp_ep_shared_experts_each_rank_gets_routed_times_scale_plus_shared(dp_shared_ranks, checkpoint, case):
+    """Every rank's output is its own tokens through all routed experts (half of them on the other
+    rank), times routed_scaling_factor, plus its tokens through the shared MLP, exactly once."""
+    num_shared, ranks = dp_shared_ranks
+    for rank, out in enumerate(ranks):
+        run = out[case]
+        assert run["y"].shape[0] == run["x"].shape[0] == (DP_TOKENS[rank] if case == "eager" else max(DP_TOKENS))
+        assert run["collectives"] == [], run["collectives"]
+        routed = ROUTED_SCALING_FACTOR * torch_moe(run["x"], run["logits"], checkpoint, TOPK).float()
+        _assert_close(run["y"], (routed + torch_shared(run["x"], out["shared_ckpt"])).to(torch.bfloat16))
+        # and it is the shared experts that make the difference
+        assert not torch.allclose(run["y"].float(), routed, rtol=0.05, atol=0.05)
 
 
 # ----------------------------------------------------------------------------- TP-only EP

@@ -429,12 +429,13 @@ def test_kernel_executor_glue(vllm_config, dist_env, kernel_executor_with_fake_o
     assert pointers(*warm_weights) == first_layer
     assert [pointers(*w) for w in other_layers] == [second_layer]
 
-    # The op gets the layer's parameters themselves (kernel layout), the staged tokens,
-    # and the rank-equal token count for the config lookup.
+    # The op reads the layer's parameters' storage (kernel layout: EPLB's in-place expert moves act
+    # on what it reads), the staged tokens, and the rank-equal token count for the config lookup.
     ex = a.routed_experts
     first = calls["op"][0]
-    assert first["l1"][0] is ex.w13_weight and first["l1"][1] is ex.w13_weight_scale_inv
-    assert first["l2"][0] is ex.w2_weight and first["l2"][1] is ex.w2_weight_scale_inv
+    for got, param in zip((*first["l1"], *first["l2"]),
+                          (ex.w13_weight, ex.w13_weight_scale_inv, ex.w2_weight, ex.w2_weight_scale_inv)):
+        assert got.data_ptr() == param.data_ptr() and got.shape == param.shape
     assert first["n"] == 6 and first["config"] == 6 and first["clamp"] is None
     assert first["numerics"] is None  # MEGAMOE_NUMERICS, else "fast"
 

@@ -1,0 +1,162 @@
+"""A MoE layer's shared experts, run inside the kernel's call instead of beside it.
+
+vLLM builds a DeepSeek-family layer's shared experts (DeepSeek-V2/V3, Kimi-K2, GLM-4.5) as one
+dense MLP of intermediate size n_shared * I: gate_up_proj, SiLU-and-mul, down_proj, FP8 128x128
+blocks like the routed experts. Its MoE runner runs that MLP beside the routed experts and adds:
+
+    result = routed * routed_scaling_factor + shared
+
+The kernel takes S shared experts of the routed I as S more local experts of every rank
+(docs/design.md section 2): every token passes through them with one routing weight. So at load
+the plugin splits the MLP into S = n_shared * I / I experts (exact: SwiGLU is per intermediate
+channel, so the MLP is the sum of its channel slices' outputs), hands them to the kernel with the
+routing weight 1 / routed_scaling_factor (the runner then scales the kernel's whole output), and
+detaches the MLP from the runner, whose forward then has no shared experts to run. The MLP's own
+weight storage is released: the kernel's copy is the only one.
+
+A form the kernel cannot take stays with vLLM (the method runs it after the kernel on a side
+stream, moe_method._SharedExpertsAfterKernel), with one log line per layer shape naming why:
+a gated shared expert (Qwen2-MoE's sigmoid gate), a latent MoE's transforms, a clamped SwiGLU
+(the kernel would clamp the shared experts too), TP-sharded or sequence-parallel shared experts,
+weights not in the checkpoint's 128x128-block FP8 layout (a linear backend that repacks them:
+Marlin, the CPU kernels), an intermediate size that is no multiple of the routed one, or more
+slots per token than the kernel has.
+
+This module reads vLLM internals (the runner's `_shared_experts`, the linear layers' kernel
+object) that vLLM 0.24 and 0.33 share.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional
+
+import torch
+
+from ..buffer import BufferShape
+from .refusals import warn_once
+
+BLOCK = 128
+
+# vLLM's block-FP8 linear kernels that keep the checkpoint layout: weight [N, K] float8_e4m3fn,
+# weight_scale_inv [N/128, K/128] float32 (DeepGEMM may requantize both to power-of-two scales,
+# which is still that layout and what vLLM itself computes with). The others repack the weight.
+CHECKPOINT_LAYOUT_LINEAR_KERNELS = frozenset((
+    "DeepGemmFp8BlockScaledMMKernel",
+    "CutlassFp8BlockScaledMMKernel",
+    "TritonFp8BlockScaledMMKernel",
+    "FlashInferFp8BlockScaledMMKernel",
+    "FlashInferFp8DeepGEMMDynamicBlockScaledKernel",
+    "BlockWiseTorchFP8ScaledMMLinearKernel",
+))
+
+
+@dataclasses.dataclass
+class KernelSharedExperts:
+    """A layer's shared experts as the kernel takes them."""
+
+    weights: Dict[str, torch.Tensor]  # transform_weights' `shared`: S experts, checkpoint layout
+    num_experts: int  # S
+    routing_weight: float  # stage_inputs' shared_scale
+
+
+def split_mlp(gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
+              intermediate: int) -> Dict[str, torch.Tensor]:
+    """One SwiGLU MLP of intermediate S*I (gate_up [2SI, H]: S*I gate rows then S*I up rows; down
+    [H, S*I]; 128x128 block scales) as S experts of intermediate I in the checkpoint layout of
+    transform_weights' `shared`. Expert s takes intermediate channels [s*I, (s+1)*I)."""
+    two_si, hidden = gate_up.shape
+    num = two_si // (2 * intermediate)
+    gate, up = gate_up.view(2, num, intermediate, hidden).unbind(0)
+    gate_s, up_s = gate_up_scale.view(2, num, intermediate // BLOCK, hidden // BLOCK).unbind(0)
+    return dict(
+        w13=torch.cat([gate, up], dim=1).contiguous(),
+        w13_scale=torch.cat([gate_s, up_s], dim=1).contiguous(),
+        w2=down.view(hidden, num, intermediate).transpose(0, 1).contiguous(),
+        w2_scale=down_scale.view(hidden // BLOCK, num, intermediate // BLOCK).transpose(0, 1).contiguous(),
+    )
+
+
+def _block_fp8_linear(linear, rows: int, cols: int) -> Optional[str]:
+    """Why `linear` does not hold a [rows, cols] block-FP8 weight in the checkpoint layout, or None."""
+    if linear is None or getattr(linear, "bias", None) is not None:
+        return f"{type(linear).__name__} is not a bias-free linear layer"
+    if getattr(linear, "tp_size", 1) != 1:
+        return f"its {type(linear).__name__} is sharded over {linear.tp_size} tensor-parallel ranks"
+    kernel = type(getattr(getattr(linear, "quant_method", None), "fp8_linear", None)).__name__
+    if kernel not in CHECKPOINT_LAYOUT_LINEAR_KERNELS:
+        return (f"its weights are not 128x128-block FP8 in the checkpoint layout (linear kernel {kernel}; the kernel "
+                f"takes them from {', '.join(sorted(CHECKPOINT_LAYOUT_LINEAR_KERNELS))})")
+    weight, scale = getattr(linear, "weight", None), getattr(linear, "weight_scale_inv", None)
+    if (weight is None or scale is None or weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (rows, cols)
+            or scale.dtype != torch.float32 or tuple(scale.shape) != (rows // BLOCK, cols // BLOCK)):
+        return (f"its weights are not [{rows}, {cols}] float8_e4m3fn with [{rows // BLOCK}, {cols // BLOCK}] float32 "
+                f"block scales")
+    return None
+
+
+def _why_not(runner, mlp, moe_config, activation_clamp: Optional[float], hidden: int,
+             intermediate: int) -> Optional[str]:
+    """Why the kernel cannot run this layer's shared experts, or None."""
+    if getattr(runner, "shared_expert_gate", None) is not None:
+        return "they are gated (a sigmoid gate scales their output per token; the kernel has no such gate)"
+    if getattr(runner, "routed_input_transform", None) is not None or \
+            getattr(runner, "routed_output_transform", None) is not None:
+        return "the routed experts run in a latent space the shared experts do not share"
+    if activation_clamp is not None:
+        return "the layer clamps the routed experts' SwiGLU (swiglu_limit), which the kernel would apply to them too"
+    if getattr(moe_config, "is_sequence_parallel", False) or getattr(mlp, "is_sequence_parallel", False):
+        return "the layer runs sequence parallel"
+    gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+    act = type(getattr(mlp, "act_fn", None)).__name__
+    if gate_up is None or down is None or act != "SiluAndMul":
+        return f"{type(mlp).__name__} is not a gate_up_proj / SiluAndMul / down_proj MLP"
+    rows = getattr(gate_up, "output_size_per_partition", None) or gate_up.weight.shape[0]
+    shared_intermediate = rows // 2
+    if rows % 2 or shared_intermediate % intermediate:
+        return (f"their intermediate size {shared_intermediate} is no multiple of the routed experts' {intermediate}")
+    for linear, shape in ((gate_up, (rows, hidden)), (down, (hidden, shared_intermediate))):
+        reason = _block_fp8_linear(linear, *shape)
+        if reason is not None:
+            return reason
+    return None
+
+
+def take_from_runner(runner, moe_config, activation_clamp: Optional[float], num_ranks: int, num_experts: int,
+                     max_tokens: int, topk: int, hidden: int, intermediate: int) -> Optional[KernelSharedExperts]:
+    """The shared experts of the MoE runner `runner` for the kernel, detached from the runner and
+    their MLP's storage released; None (the runner keeps them) where it has none or the kernel cannot
+    take them (logged once per reason)."""
+    wrapper = getattr(runner, "_shared_experts", None)
+    mlp = getattr(wrapper, "_layer", None)
+    if mlp is None:
+        return None
+    reason = _why_not(runner, mlp, moe_config, activation_clamp, hidden, intermediate)
+    num_shared = 0 if reason else mlp.gate_up_proj.weight.shape[0] // (2 * intermediate)
+    if reason is None:
+        try:
+            BufferShape.of_routed(num_ranks, num_experts, max(max_tokens, 1), topk, hidden, intermediate,
+                                  num_shared_experts=num_shared)
+        except ValueError as exc:
+            reason = str(exc)
+    if reason is not None:
+        warn_once("megamoe_sm90: a MoE layer's shared experts (%s) run beside the kernel, not in its call: %s",
+                  type(mlp).__name__, reason)
+        return None
+    weights = split_mlp(mlp.gate_up_proj.weight.data, mlp.gate_up_proj.weight_scale_inv.data,
+                        mlp.down_proj.weight.data, mlp.down_proj.weight_scale_inv.data, intermediate)
+    scale = float(getattr(runner, "routed_scaling_factor", 1.0) or 1.0)
+    _detach(runner, mlp)
+    return KernelSharedExperts(weights, num_shared, 1.0 / scale)
+
+
+def _detach(runner, mlp) -> None:
+    """The runner forgets its shared experts (its forward entry is chosen again: the one without
+    them), and the MLP's weights give their storage back."""
+    runner._shared_experts = None
+    runner._forward_entry = runner._select_forward()
+    for param in mlp.parameters():
+        param.data = param.data.new_empty(0)
+    for module in mlp.modules():
+        # vLLM's DeepGEMM warm-up runs every linear layer that names a provider, with its weights
+        if hasattr(module, "deep_gemm_warmup_provider"):
+            del module.deep_gemm_warmup_provider
