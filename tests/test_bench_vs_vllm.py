@@ -1,11 +1,25 @@
 """`python -m megamoe_plugin.bench.vs_vllm`: --help describes the command and every option, it names
 the shape as the other CLIs do, and without an SM90 GPU it stops with one line on stderr, not a
-traceback."""
+traceback. With --shared-experts (what runs on the CPU): the option (a negative count refused), the
+floor counting the shared experts, their one MLP of S*I computing what the S experts sum to, the
+torch shared MLP against the reference, and the table's row."""
+import math
 import os
 import subprocess
 import sys
 
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megamoe_plugin as mm
 from megamoe_plugin.bench import vs_vllm
+from megamoe_plugin.bench.baselines import merge_shared_experts, shared_expert_mlp
+from megamoe_plugin.bench.floors import Ceilings, rank_floor
+from megamoe_plugin.buffer import BufferShape, SymmBuffer, get_symm_buffer_size
+from megamoe_plugin.fp8 import dequantize_weight_blocks, quantize_per_token_group
+from megamoe_plugin.reference import calc_diff, mega_moe, token_rel_errors
+from megamoe_plugin.testing import random_layer
 
 MODULE = "megamoe_plugin.bench.vs_vllm"
 
@@ -37,3 +51,103 @@ def test_without_a_gpu_one_line_error():
     proc = _run("--tokens", "1", CUDA_VISIBLE_DEVICES="")
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [f"{vs_vllm.PROG}: needs an SM90 (Hopper) GPU; CUDA is not available here"]
+
+
+def test_shared_experts_default_to_none_and_take_a_count():
+    assert vs_vllm.parse_args([]).shared_experts == 0
+    assert vs_vllm.parse_args(["--shared-experts", "2"]).shared_experts == 2
+
+
+def test_a_negative_shared_expert_count_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as stop:
+        vs_vllm.parse_args(["--shared-experts", "-1"])
+    assert stop.value.code == 2
+    assert "--shared-experts must be >= 0, got -1" in capsys.readouterr().err
+
+
+H, I, E, K, MAX_TOKENS = 256, 256, 4, 2, 8
+
+
+def _staged_cpu_buffer(num_shared, topk_idx):
+    """A one-rank buffer on the CPU with these routed slots staged (staging only: no kernel runs)."""
+    shape = BufferShape.of_routed(1, E, MAX_TOKENS, K, H, I, num_shared_experts=num_shared)
+    size = get_symm_buffer_size(1, E, MAX_TOKENS, K, H, I, num_shared_experts=num_shared)
+    buf = SymmBuffer(shape, torch.zeros(size, dtype=torch.uint8), 0, (1,))
+    n = topk_idx.shape[0]
+    hidden = torch.randn(n, H, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    mm.stage_inputs(buf, hidden, topk_idx, torch.full((n, K), 0.5))
+    return buf
+
+
+def test_the_floor_counts_the_shared_experts_weights_and_rows():
+    idx = torch.tensor([[0, 1], [1, -1], [-1, -1]])  # 3 tokens, 3 routed rows on experts 0 and 1
+    n, routed_rows, routed_experts_hit, num_shared = 3, 3, 2, 2
+    expert_bytes = 3 * I * H  # FP8 w13 and w2 of one expert
+    bytes_only, flops_only = Ceilings(1.0, math.inf), Ceilings(math.inf, 1.0)
+
+    def expected(rows, experts):
+        moved = experts * expert_bytes + n * H * 3 + rows * (H + 2 * I + 2 * H)
+        return moved, 2 * rows * 3 * I * H
+
+    routed = _staged_cpu_buffer(0, idx)
+    # Without shared experts it is the routed layer's floor, as the table computed it before them.
+    assert vs_vllm.staged_floor(routed, n, bytes_only) == rank_floor([idx], 0, 1, H, I, bytes_only, E)[0]
+    assert (vs_vllm.staged_floor(routed, n, bytes_only), vs_vllm.staged_floor(routed, n, flops_only)) == \
+        expected(routed_rows, routed_experts_hit)
+    # Every token is a row of each shared expert, and each shared expert's weights are read.
+    shared = _staged_cpu_buffer(num_shared, idx)
+    assert (vs_vllm.staged_floor(shared, n, bytes_only), vs_vllm.staged_floor(shared, n, flops_only)) == \
+        expected(routed_rows + n * num_shared, routed_experts_hit + num_shared)
+
+
+def _dequantized_mlp(x, w13, w13_scale, w2, w2_scale):
+    """One expert's SwiGLU MLP in float64 on its dequantized weights."""
+    gate, up = (x @ dequantize_weight_blocks(w13, w13_scale).double().T).chunk(2, dim=1)
+    return (F.silu(gate) * up) @ dequantize_weight_blocks(w2, w2_scale).double().T
+
+
+@pytest.mark.parametrize("num_shared", [1, 2, 3])
+def test_one_mlp_of_s_times_i_is_the_sum_of_the_s_shared_experts(num_shared):
+    gen = torch.Generator().manual_seed(num_shared)
+    shared = random_layer(num_shared, H, I, "cpu", gen).checkpoint
+    mlp = merge_shared_experts(shared)
+    assert {key: tuple(t.shape) for key, t in mlp.items()} == dict(
+        w13=(1, 2 * num_shared * I, H), w13_scale=(1, 2 * num_shared * I // 128, H // 128),
+        w2=(1, H, num_shared * I), w2_scale=(1, H // 128, num_shared * I // 128))
+    x = torch.randn(9, H, generator=gen, dtype=torch.float64)
+    one = _dequantized_mlp(x, *(mlp[key][0] for key in ("w13", "w13_scale", "w2", "w2_scale")))
+    experts = sum(_dequantized_mlp(x, *(shared[key][e] for key in ("w13", "w13_scale", "w2", "w2_scale")))
+                  for e in range(num_shared))
+    # Equal up to float64 summation order: a gate/up or expert mix-up is off by the outputs' own size.
+    assert torch.allclose(one, experts, rtol=0, atol=1e-12 * experts.abs().max().item())
+
+
+def test_the_torch_shared_mlp_is_the_references_shared_experts():
+    """The shared-expert MLP where vLLM's linear layers cannot run (here: no GPU) computes what the
+    reference's S shared experts add to a token whose routed slots are all empty."""
+    gen = torch.Generator().manual_seed(5)
+    num_shared, n = 2, 11
+    shared = random_layer(num_shared, H, I, "cpu", gen).checkpoint
+    mlp, name = shared_expert_mlp(merge_shared_experts(shared))
+    assert name.startswith("torch (BF16 matmuls of dequantized weights")
+    hidden = torch.randn(n, H, generator=gen).to(torch.bfloat16)
+    x, x_sf = quantize_per_token_group(hidden)
+    nothing_routed = dict(x=x, x_sf=x_sf, topk_idx=torch.full((n, K), -1), topk_weights=torch.ones(n, K))
+    ref = mega_moe([nothing_routed], [random_layer(E, H, I, "cpu", gen).checkpoint], E, shared=shared)[0]
+    y = mlp(hidden)
+    # BF16 GEMM outputs and a BF16 SiLU-and-mul, as vLLM's, beside the reference's float32 ones.
+    assert calc_diff(y, ref) < 1e-3 and token_rel_errors(y, ref).max().item() < 5e-2
+
+
+def test_the_shared_expert_row_gives_each_variants_time_and_the_ratios_to_fused():
+    seconds = {"fused": 100e-6, "mm+aux": 150e-6, "vllm": 230e-6}
+    errors = [(1e-5, 1e-2), (2e-5, 2e-2), (3e-5, 3e-2)]
+    row = vs_vllm.shared_row(64, seconds, 50e-6, errors)
+    header = vs_vllm.shared_header()
+    numbers, accuracy = row.split(" | ")[1:]
+    columns = header.split(" | ")[1].split()
+    assert dict(zip(columns, numbers.split())) == {
+        "fused_us": "100.0", "mm+aux_us": "150.0", "vllm_us": "230.0", "floor_us": "50.0",
+        "fused/floor": "2.00", "vllm/fused": "2.30", "mm+aux/fused": "1.50"}
+    assert header.endswith("fused, mm+aux, vllm") and vs_vllm.SHARED_VARIANTS == ("fused", "mm+aux", "vllm")
+    assert accuracy == "1.0e-05/1.0e-02, 2.0e-05/2.0e-02, 3.0e-05/3.0e-02"

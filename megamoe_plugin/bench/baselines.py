@@ -11,6 +11,10 @@ Its GEMMs are torch._scaled_mm with 1x128 activation and 128x128 weight block sc
 where this torch and GPU run them (checked against the dequantized product at set-up),
 else BF16 matmuls of the weights dequantized once. Every baseline takes (hidden_states
 bf16 [n, H], topk_idx int64 [n, K], topk_weights float32 [n, K]) and returns bf16 [n, H].
+
+A shared-expert model's shared experts, the way vLLM runs them beside its MoE: one MLP of
+intermediate size S*I for the model's S shared experts of I (merge_shared_experts), through
+vLLM's block-FP8 linear layers (shared_expert_mlp). It takes bf16 [n, H] and returns bf16 [n, H].
 """
 from __future__ import annotations
 
@@ -149,3 +153,105 @@ def make_baseline(which: str, checkpoint: Dict[str, torch.Tensor]) -> Tuple[Opti
         return vllm_triton_moe(checkpoint), "vLLM Triton fused MoE"
     torch_moe = UnfusedTorchMoE(checkpoint)
     return torch_moe, f"unfused torch ({torch_moe.gemm_name})"
+
+
+# mlp(hidden_states bf16 [n, H]) -> bf16 [n, H]: a shared-expert MLP (shared_expert_mlp)
+SharedMLP = Callable[[torch.Tensor], torch.Tensor]
+
+
+def merge_shared_experts(shared: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """S shared experts of intermediate size I (checkpoint layout: w13 [S, 2I, H], w13_scale
+    [S, 2I/128, H/128], w2 [S, H, I], w2_scale [S, H/128, I/128]) as the one MLP of intermediate
+    size S*I that vLLM runs for them (DeepSeek's n_shared_experts are one MLP of n_shared_experts * I),
+    in the same layout with one expert: its gate rows are every expert's gate rows in expert order,
+    then every expert's up rows (vLLM's merged gate_up projection), its down columns every expert's
+    in the same order. The FP8 codes and 128x128 block scales are the experts' own (a block never
+    spans two experts, I being a multiple of 128), so the dequantized weights are the same, and as
+    SwiGLU is per channel the MLP computes the sum of the S experts' outputs."""
+    inter = shared["w2"].shape[2]
+
+    def gate_rows_then_up_rows(w: torch.Tensor, rows_per_half: int) -> torch.Tensor:
+        return torch.cat([w[:, :rows_per_half].flatten(0, 1), w[:, rows_per_half:].flatten(0, 1)]).unsqueeze(0)
+
+    def columns_side_by_side(w: torch.Tensor) -> torch.Tensor:
+        return w.transpose(0, 1).flatten(1).unsqueeze(0)
+
+    return dict(w13=gate_rows_then_up_rows(shared["w13"], inter),
+                w13_scale=gate_rows_then_up_rows(shared["w13_scale"], inter // BLOCK),
+                w2=columns_side_by_side(shared["w2"]), w2_scale=columns_side_by_side(shared["w2_scale"]))
+
+
+def shared_expert_mlp(mlp: Dict[str, torch.Tensor]) -> Tuple[SharedMLP, str]:
+    """(the MLP of `mlp`'s one expert (merge_shared_experts' layout), what runs it): vLLM's
+    shared-expert MLP, its gate_up and down projections block-FP8 linear layers as vLLM's
+    Fp8LinearMethod runs a 128x128 block-FP8 checkpoint (the GEMM kernel vLLM's own selection picks
+    on this GPU, the per-token-group FP8 input quant inside it) and SiluAndMul between them, with
+    vLLM's custom ops on (its CUDA kernels, as vLLM runs without torch.compile). Where this vLLM
+    has no such API (another version), TorchSharedMLP instead, and the name says why."""
+    if importlib.util.find_spec("vllm") is None:
+        why = "vllm is not installed"
+    else:
+        try:
+            return _vllm_shared_mlp(mlp)
+        except (ImportError, AttributeError, TypeError, ValueError, RuntimeError, AssertionError) as exc:
+            # vLLM's linear-kernel API is internal and moves between versions.
+            first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+            why = f"vLLM's block-FP8 linear layers do not run here: {first_line}"
+    torch_mlp = TorchSharedMLP(mlp)
+    return torch_mlp, f"torch ({torch_mlp.gemm_name}); {why}"
+
+
+def _vllm_shared_mlp(mlp: Dict[str, torch.Tensor]) -> Tuple[SharedMLP, str]:
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.kernels.linear import init_fp8_linear_kernel
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape, create_fp8_quant_key
+
+    activation_key = create_fp8_quant_key(static=False, group_shape=GroupShape(1, BLOCK))
+    weight_key = create_fp8_quant_key(static=True, group_shape=GroupShape(BLOCK, BLOCK))
+
+    def block_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, logical_widths):
+        """A linear layer's parameters as Fp8LinearMethod.create_weights registers them for a
+        block-FP8 checkpoint, prepared and applied by the kernel that vLLM selects."""
+        kernel = init_fp8_linear_kernel(activation_quant_key=activation_key, weight_quant_key=weight_key,
+                                        input_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
+                                        weight_shape=tuple(weight.shape), module_name="shared_experts")
+        layer = torch.nn.Module()
+        # Copies: preparing the weights for the kernel may rewrite them in place, and ours must stay as
+        # the other paths and the reference read them.
+        layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+        layer.weight_scale_inv = torch.nn.Parameter(weight_scale.clone(), requires_grad=False)
+        layer.input_scale = None
+        layer.weight_block_size = [BLOCK, BLOCK]
+        layer.logical_widths = list(logical_widths)
+        kernel.process_weights_after_loading(layer)
+        return functools.partial(kernel.apply_weights, layer), type(kernel).__name__
+
+    intermediate = mlp["w2"].shape[2]  # S*I
+    # The ops pick their implementation when they are made: vLLM's CUDA kernels with custom_ops "all".
+    with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(custom_ops=["all"]))):
+        gate_up, kernel_name = block_fp8_linear(mlp["w13"][0], mlp["w13_scale"][0], [intermediate, intermediate])
+        down, _ = block_fp8_linear(mlp["w2"][0], mlp["w2_scale"][0], [mlp["w2"].shape[1]])
+        silu_and_mul = SiluAndMul()
+
+    def run(hidden_states):
+        return down(silu_and_mul(gate_up(hidden_states)))
+
+    return run, f"vLLM block-FP8 linear layers ({kernel_name}) and SiluAndMul"
+
+
+class TorchSharedMLP:
+    """vLLM's shared-expert MLP step by step in torch over one expert's checkpoint-layout weights
+    (merge_shared_experts): per-token-group FP8 quant of the input, gate_up GEMM to BF16,
+    SiLU(gate) * up in BF16, per-token-group FP8 quant, down GEMM to BF16. The GEMMs are
+    UnfusedTorchMoE's (`gemm_name` says which)."""
+
+    def __init__(self, mlp: Dict[str, torch.Tensor]):
+        self._gemms = UnfusedTorchMoE(mlp)
+        self.gemm_name = self._gemms.gemm_name
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x, x_sf = quantize_per_token_group(hidden_states)
+        gate, up = self._gemms.gemm(x, x_sf, 0, "w13").to(torch.bfloat16).chunk(2, dim=1)
+        act, act_sf = quantize_per_token_group((F.silu(gate.float()) * up.float()).to(torch.bfloat16))
+        return self._gemms.gemm(act, act_sf, 0, "w2").to(torch.bfloat16)

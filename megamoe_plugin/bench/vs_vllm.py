@@ -8,17 +8,40 @@ Timed as vLLM runs decode: each path captured in a CUDA graph (megamoe: stage_in
 fp8_mega_moe; vLLM: fused_experts, which quantizes its input itself), L2 flushed before
 every replay, median of --iters.
 
+With --shared-experts S, a shared-expert model's layer: S shared experts of the routed H and I
+(the same block-FP8 weights for every path) added to the routed output, timed three ways, each
+one CUDA graph (the side stream forked from and joined to the captured stream inside it):
+  vllm    vLLM's default: the shared experts as one MLP of intermediate size S*I (gate_up,
+          SiluAndMul, down: vLLM's block-FP8 linear layers, bench/baselines.py
+          shared_expert_mlp) launched first on an auxiliary stream, vLLM's Triton fused MoE
+          on the main one, joined, added
+  mm+aux  megamoe without shared experts, the same shared MLP launched after the kernel on a
+          side stream, joined, added (the plugin's vLLM glue where it does not fold them)
+  fused   megamoe with the S shared experts in the call (num_shared_experts=S, shared_scale 1)
+In a graph the two branches are independent nodes: the capture order is the launch order asked
+for, which the graph need not keep. The floor counts the shared experts' weights and FLOPs (the
+slots as the kernel sees them, as megamoe-bench does); errors are against the float32 reference
+with the shared experts.
+
     python -m megamoe_plugin.bench.vs_vllm [--tokens 1,8,64,256,512]
-        [--hidden 2048 --intermediate-size 768 --num-experts 128 --topk 8]
+        [--hidden 2048 --intermediate-size 768 --num-experts 128 --topk 8] [--shared-experts S]
+
+A shared-expert shape: DeepSeek-V3's layer as one rank of EP8 holds it, 32 of its 256 experts
+and its one shared expert (all 256 would fit an 80 GB GPU too: 11 GB of FP8 weights, held three
+times here, in checkpoint layout and in the kernel's without and with the shared expert):
+
+    python -m megamoe_plugin.bench.vs_vllm --hidden 7168 --intermediate-size 2048 --num-experts 32
+        --topk 8 --shared-experts 1
 """
 import argparse
 import importlib.util
 import sys
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 import megamoe_plugin as mm
-from megamoe_plugin.bench.baselines import vllm_triton_moe
+from megamoe_plugin.bench.baselines import merge_shared_experts, shared_expert_mlp, vllm_triton_moe
 from megamoe_plugin.bench.cli import require_sm90_gpu
 from megamoe_plugin.bench.floors import Ceilings, measure_fp8_rate, measure_hbm_bandwidth, rank_floor
 from megamoe_plugin.fp8 import quantize_per_token_group
@@ -27,6 +50,8 @@ from megamoe_plugin.testing import random_layer, random_routing
 from megamoe_plugin.timing import graphed, l2_flusher, median_call_seconds
 
 PROG = "python -m megamoe_plugin.bench.vs_vllm"
+# The layer variants timed with --shared-experts, in the table's order (see the module docstring).
+SHARED_VARIANTS = ("fused", "mm+aux", "vllm")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,13 +64,74 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-experts", type=int, default=128, help="number of experts, all on this GPU "
                                                                 "(default: %(default)s)")
     p.add_argument("--topk", type=int, default=8, help="experts per token (default: %(default)s)")
+    p.add_argument("--shared-experts", type=int, default=0, metavar="S",
+                   help="S shared experts of the routed H and I in the layer: times vLLM's default (the shared MLP "
+                        "on its auxiliary stream), megamoe with it on a side stream, and megamoe with them in the "
+                        "call (default: %(default)s, the routed layer alone)")
     p.add_argument("--iters", type=int, default=50, help="timed graph replays per point; the median is "
                                                          "reported (default: %(default)s)")
     return p
 
 
-def main():
-    args = parser().parse_args()
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The options; exits through parser.error on a bad one."""
+    p = parser()
+    args = p.parse_args(argv)
+    if args.shared_experts < 0:
+        p.error(f"--shared-experts must be >= 0, got {args.shared_experts}")
+    return args
+
+
+def staged_floor(buf, n: int, ceilings: Ceilings) -> float:
+    """The floor (bench/floors.py rank_floor) of the call staged in `buf`'s first n rows on one GPU,
+    from the slots as the kernel sees them: a buffer's shared experts are local experts that every
+    token's extra slots name, so their weight reads and FLOPs count as megamoe-bench counts them."""
+    return rank_floor([buf.topk_idx[:n].cpu()], 0, 1, buf.hidden, buf.intermediate_size, ceilings,
+                      buf.shape.num_local_experts)[0]
+
+
+def fork_join(main_work: Callable[[], torch.Tensor], side_work: Callable[[], torch.Tensor],
+              side: torch.cuda.Stream, side_first: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(main_work(), side_work()): main_work on the current stream, side_work on `side`, which
+    starts where the current stream stands and which the current stream joins before this returns;
+    side_first launches side_work first. Inside a CUDA-graph capture the fork and the join put
+    `side`'s work into the graph. side_work's output lives in `side`'s memory: it is safe to use
+    on the current stream because `side` next runs only after the next fork, after that use."""
+    current = torch.cuda.current_stream()
+    side.wait_stream(current)
+
+    def on_side():
+        with torch.cuda.stream(side):
+            return side_work()
+
+    if side_first:
+        side_out = on_side()
+        main_out = main_work()
+    else:
+        main_out = main_work()
+        side_out = on_side()
+    current.wait_stream(side)
+    return main_out, side_out
+
+
+def shared_header() -> str:
+    """The --shared-experts table's header (shared_row's columns)."""
+    return (f"{'tokens':>6s} | {'fused_us':>8s} {'mm+aux_us':>9s} {'vllm_us':>8s} {'floor_us':>8s} "
+            f"{'fused/floor':>11s} {'vllm/fused':>10s} {'mm+aux/fused':>12s} | "
+            f"calc_diff and worst-token rel. error vs ref: {', '.join(SHARED_VARIANTS)}")
+
+
+def shared_row(n: int, seconds: Dict[str, float], floor: float, errors: Sequence[Tuple[float, float]]) -> str:
+    """One token count's line: each SHARED_VARIANTS' time (seconds[name]), the floor, the ratios,
+    and (calc_diff, worst-token relative error) against the reference per variant in that order."""
+    fused = seconds["fused"]
+    return (f"{n:6d} | {fused * 1e6:8.1f} {seconds['mm+aux'] * 1e6:9.1f} {seconds['vllm'] * 1e6:8.1f} "
+            f"{floor * 1e6:8.1f} {fused / floor:11.2f} {seconds['vllm'] / fused:10.2f} "
+            f"{seconds['mm+aux'] / fused:12.2f} | " + ", ".join(f"{d:.1e}/{r:.1e}" for d, r in errors))
+
+
+def main(argv: Optional[Sequence[str]] = None):
+    args = parse_args(argv)
     require_sm90_gpu(PROG)
     if importlib.util.find_spec("vllm") is None:
         sys.exit(f"{PROG}: needs vllm (pip install 'megamoe_plugin[vllm,cutlass]'), which is not installed")
@@ -53,20 +139,22 @@ def main():
     h, inter, num_experts, topk = args.hidden, args.intermediate_size, args.num_experts, args.topk
 
     gen = torch.Generator(device="cuda").manual_seed(7)
-    bandwidth, fp8_rate = measure_hbm_bandwidth(), measure_fp8_rate()
+    ceilings = Ceilings(measure_hbm_bandwidth(), measure_fp8_rate())
     flush = l2_flusher()
     layer = random_layer(num_experts, h, inter, "cuda", gen)
     triton_moe = vllm_triton_moe(layer.checkpoint)
     buf = mm.get_symm_buffer(None, num_experts, max(tokens_list), topk, h, inter)
     mm.ops.warmup(buf, layer.l1, layer.l2, tokens_list)
-    print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, FP8 GEMM {fp8_rate / 1e12:.0f} TFLOP/s; "
-          f"H {h} I {inter} E {num_experts} top-{topk}")
+    print(f"{torch.cuda.get_device_name()}: copy {ceilings.hbm_bytes_per_s / 1e12:.2f} TB/s, FP8 GEMM "
+          f"{ceilings.fp8_flops_per_s / 1e12:.0f} TFLOP/s; H {h} I {inter} E {num_experts} top-{topk}"
+          + (f"; {args.shared_experts} shared expert(s)" if args.shared_experts else ""))
+    if args.shared_experts:
+        _compare_with_shared_experts(args, tokens_list, layer, triton_moe, buf, ceilings, flush, gen)
+        return
     print(f"{'tokens':>6s} | {'megamoe_us':>10s} {'vllm_us':>8s} {'floor_us':>8s} {'mm/floor':>8s} {'vllm/mm':>7s} | "
           f"calc_diff and worst-token rel. error: megamoe-ref, vllm-ref, megamoe-vllm")
     for n in tokens_list:
-        hidden = torch.randn(n, h, generator=gen, device="cuda").to(torch.bfloat16)
-        idx = random_routing(n, num_experts, topk, "uniform", "cuda", gen)
-        weights = torch.softmax(torch.randn(n, topk, generator=gen, device="cuda"), dim=-1)
+        hidden, idx, weights = _inputs(n, h, num_experts, topk, gen)
         y = torch.full((n, h), float("nan"), dtype=torch.bfloat16, device="cuda")
 
         def megamoe():
@@ -78,16 +166,80 @@ def main():
 
         megamoe()
         y_vllm = vllm()
-        x, x_sf = quantize_per_token_group(hidden)
-        ref = mega_moe([dict(x=x, x_sf=x_sf, topk_idx=idx, topk_weights=weights)],
-                       [layer.checkpoint], num_experts)[0]
+        ref = _reference(hidden, idx, weights, layer.checkpoint, num_experts)
         errors = [(calc_diff(a, b), token_rel_errors(a, b).max().item()) for a, b in ((y, ref), (y_vllm, ref), (y, y_vllm))]
 
         t_mm = median_call_seconds(graphed(megamoe), args.iters, flush)
         t_vllm = median_call_seconds(graphed(vllm), args.iters, flush)
-        floor = rank_floor([idx.cpu()], 0, 1, h, inter, Ceilings(bandwidth, fp8_rate), num_experts)[0]
+        floor = staged_floor(buf, n, ceilings)
         print(f"{n:6d} | {t_mm * 1e6:10.1f} {t_vllm * 1e6:8.1f} {floor * 1e6:8.1f} {t_mm / floor:8.2f} "
               f"{t_vllm / t_mm:7.2f} | " + ", ".join(f"{d:.1e}/{r:.1e}" for d, r in errors), flush=True)
+
+
+def _compare_with_shared_experts(args, tokens_list: List[int], layer, triton_moe, routed_buf, ceilings: Ceilings,
+                                 flush, gen) -> None:
+    """The --shared-experts table: SHARED_VARIANTS per token count (see the module docstring)."""
+    h, inter, num_experts, topk, num_shared = (args.hidden, args.intermediate_size, args.num_experts, args.topk,
+                                               args.shared_experts)
+    shared = random_layer(num_shared, h, inter, "cuda", gen).checkpoint
+    shared_mlp, mlp_name = shared_expert_mlp(merge_shared_experts(shared))
+    c = layer.checkpoint
+    fused_l1, fused_l2 = mm.transform_weights((c["w13"], c["w13_scale"]), (c["w2"], c["w2_scale"]), shared=shared)
+    fused_buf = mm.get_symm_buffer(None, num_experts, max(tokens_list), topk, h, inter, num_shared_experts=num_shared)
+    mm.ops.warmup(fused_buf, fused_l1, fused_l2, tokens_list)
+    side = torch.cuda.Stream()  # made before any capture, as vLLM's auxiliary stream is
+    print(f"shared experts of vllm and mm+aux: one MLP of intermediate size {num_shared * inter}, {mlp_name}")
+    print(shared_header())
+    for n in tokens_list:
+        hidden, idx, weights = _inputs(n, h, num_experts, topk, gen)
+        y_routed = torch.full((n, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+        y_fused = torch.full((n, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+        def megamoe_routed():
+            mm.stage_inputs(routed_buf, hidden, idx, weights)
+            mm.fp8_mega_moe(y_routed, layer.l1, layer.l2, routed_buf)
+            return y_routed
+
+        def shared_part():
+            return shared_mlp(hidden)
+
+        def vllm():
+            routed, shared_out = fork_join(lambda: triton_moe(hidden, idx, weights), shared_part, side,
+                                           side_first=True)
+            return routed + shared_out
+
+        def mm_aux():
+            routed, shared_out = fork_join(megamoe_routed, shared_part, side, side_first=False)
+            return routed + shared_out
+
+        def fused():
+            mm.stage_inputs(fused_buf, hidden, idx, weights, shared_scale=1.0)
+            mm.fp8_mega_moe(y_fused, fused_l1, fused_l2, fused_buf)
+            return y_fused
+
+        variants = {"fused": fused, "mm+aux": mm_aux, "vllm": vllm}
+        outputs = {name: variants[name]() for name in SHARED_VARIANTS}
+        floor = staged_floor(fused_buf, n, ceilings)  # fused() staged this n last
+        ref = _reference(hidden, idx, weights, c, num_experts, shared)
+        errors = [(calc_diff(outputs[name], ref), token_rel_errors(outputs[name], ref).max().item())
+                  for name in SHARED_VARIANTS]
+        seconds = {name: median_call_seconds(graphed(variants[name]), args.iters, flush) for name in SHARED_VARIANTS}
+        print(shared_row(n, seconds, floor, errors), flush=True)
+
+
+def _inputs(n: int, hidden_size: int, num_experts: int, topk: int, gen):
+    """(BF16 hidden states [n, H], routing [n, K], softmax routing weights [n, K]) on the GPU."""
+    hidden = torch.randn(n, hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+    idx = random_routing(n, num_experts, topk, "uniform", "cuda", gen)
+    weights = torch.softmax(torch.randn(n, topk, generator=gen, device="cuda"), dim=-1)
+    return hidden, idx, weights
+
+
+def _reference(hidden, idx, weights, checkpoint, num_experts: int, shared=None) -> torch.Tensor:
+    """The float32 reference's output for these inputs (with the shared experts at scale 1, if any)."""
+    x, x_sf = quantize_per_token_group(hidden)
+    return mega_moe([dict(x=x, x_sf=x_sf, topk_idx=idx, topk_weights=weights)], [checkpoint], num_experts,
+                    shared=shared)[0]
 
 
 if __name__ == "__main__":
