@@ -153,6 +153,12 @@ def variants():
                                        132, (True,), numerics_modes=("fast",))]
     out += lag_variants()
     # tests/gpu/test_delayed_rank.py: two ranks of MULTI_RANK_SHAPES[1] on 132 // 2 SMs (above).
+    from .test_shared_experts_gpu import HIDDEN as SHARED_H, INTER as SHARED_I, SIDE_BY_SIDE
+
+    for num_ranks in (2, 4, 8):  # tests/gpu/test_shared_experts_gpu.py: one shared expert per rank
+        local, topk, max_tokens = SIDE_BY_SIDE["local_routed"] + 1, SIDE_BY_SIDE["topk"] + 1, SIDE_BY_SIDE["max_tokens"]
+        out += call_variants(num_ranks, local * num_ranks, topk, SHARED_H, SHARED_I, max_tokens, 132 // num_ranks,
+                             (True,))
     for num_sms in (132, 124, 116):  # tools/aux_stream_stall.py
         out += call_variants(1, 32, 8, 7168, 2048, 64, num_sms, (True,))
     return list(dict.fromkeys(out))

@@ -1,7 +1,8 @@
 """Shared experts in the call, on the GPU: the kernel runs a buffer's shared experts as local
 experts that every local token's extra slots name (tests/test_shared_experts.py checks that this
 view of a call is, in the reference, bit for bit routed + shared). Judged as every call is
-(testing.output_errors) on that view, in both numerics modes, on one rank and on two side by side."""
+(testing.output_errors) on that view, in both numerics modes: on one rank (0, 1, odd and the most
+tokens, eager and replayed from a CUDA graph) and on 2, 4 and 8 ranks side by side."""
 import math
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 import megamoe_plugin as mm
 from megamoe_plugin.testing import Layer, output_errors, random_inputs, random_layer
 
-HIDDEN, INTER = 384, 256  # kernel shapes tests/gpu/cases.py precompiles: K 4, E 4 on one rank; K 2, E 8 on two
+HIDDEN, INTER = 384, 256  # kernel shapes tests/gpu/cases.py precompiles: K 4, E 4 on one rank; K 2, E 4 R per rank
+SIDE_BY_SIDE = dict(local_routed=3, topk=1, max_tokens=16)  # tests/gpu/cases.py precompiles its R = 2, 4, 8
 
 
 def _folded(layer, shared):
@@ -33,7 +35,7 @@ def test_one_rank_returns_routed_plus_shared(numerics):
     buf = mm.get_symm_buffer(None, routed_experts, max_tokens, topk, HIDDEN, INTER, num_shared_experts=1)
     layer = _folded(random_layer(routed_experts, HIDDEN, INTER, "cuda", gen),
                     random_layer(1, HIDDEN, INTER, "cuda", gen).checkpoint)
-    counts = (1, 7, 21, max_tokens)
+    counts = (0, 1, 7, 21, max_tokens)
     mm.ops.warmup(buf, layer.l1, layer.l2, counts, numerics=numerics)
     for step, n in enumerate(counts * 2):
         inputs = random_inputs(n, HIDDEN, routed_experts, topk, ("uniform", "masked", "one_expert")[step % 3], "cuda",
@@ -47,9 +49,41 @@ def test_one_rank_returns_routed_plus_shared(numerics):
 
 
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
-def test_two_ranks_side_by_side_return_routed_plus_shared(numerics):
-    gen = torch.Generator(device="cuda").manual_seed(32)
-    ranks, local_routed, topk, max_tokens = 2, 3, 1, 16
+def test_a_graph_replays_routed_plus_shared_on_new_inputs(numerics):
+    """stage_inputs + fp8_mega_moe captured once with the shared experts, replayed on new tokens."""
+    gen = torch.Generator(device="cuda").manual_seed(33)
+    routed_experts, topk, n = 3, 3, 21
+    buf = mm.get_symm_buffer(None, routed_experts, 50, topk, HIDDEN, INTER, num_shared_experts=1)
+    layer = _folded(random_layer(routed_experts, HIDDEN, INTER, "cuda", gen),
+                    random_layer(1, HIDDEN, INTER, "cuda", gen).checkpoint)
+    mm.ops.warmup(buf, layer.l1, layer.l2, [n], numerics=numerics)
+    first = random_inputs(n, HIDDEN, routed_experts, topk, "uniform", "cuda", gen)
+    hidden, idx, weights = (first[k].clone() for k in ("hidden_states", "topk_idx", "topk_weights"))
+    y = torch.full((n, HIDDEN), math.nan, dtype=torch.bfloat16, device="cuda")
+
+    def call():
+        mm.stage_inputs(buf, hidden, idx, weights, shared_scale=0.4)
+        mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, numerics=numerics)
+
+    call()  # eager first: the capture then records a warm call
+    mm.ops.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for step in range(3):
+        new = random_inputs(n, HIDDEN, routed_experts, topk, ("uniform", "masked", "one_expert")[step], "cuda", gen)
+        hidden.copy_(new["hidden_states"]), idx.copy_(new["topk_idx"]), weights.copy_(new["topk_weights"])
+        y.fill_(math.nan)
+        graph.replay()
+        mm.ops.synchronize()
+        assert output_errors([y], [_kernel_view(buf, n)], [layer], buf.shape.num_experts, numerics) == [None], step
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_ranks_side_by_side_return_routed_plus_shared(numerics, ranks):
+    gen = torch.Generator(device="cuda").manual_seed(32 + ranks)
+    local_routed, topk, max_tokens = SIDE_BY_SIDE["local_routed"], SIDE_BY_SIDE["topk"], SIDE_BY_SIDE["max_tokens"]
     bufs = mm.buffer.get_local_rank_buffers(ranks, ranks * local_routed, max_tokens, topk, HIDDEN, INTER,
                                             num_shared_experts=1)
     shared = random_layer(1, HIDDEN, INTER, "cuda", gen).checkpoint  # replicated on every rank
@@ -58,6 +92,7 @@ def test_two_ranks_side_by_side_return_routed_plus_shared(numerics):
     for buf, layer in zip(bufs, layers):
         mm.ops.warmup(buf, layer.l1, layer.l2, [max_tokens], numerics=numerics)
     for step in range(6):
+        # every rank's count in turn: the most, odd ones, and none
         counts = [max_tokens if (r + step) % 2 == 0 else max(0, max_tokens // 2 - 3 * r) for r in range(ranks)]
         inputs = [random_inputs(n, HIDDEN, ranks * local_routed, topk, ("uniform", "masked")[step % 2], "cuda", gen)
                   for n in counts]
