@@ -17,6 +17,7 @@ import torch
 import megamoe_plugin as mm
 from megamoe_plugin import native, ops, reports, validation
 from megamoe_plugin.buffer import BufferShape, SymmBuffer, get_symm_buffer_size
+from megamoe_plugin.serving import PACKAGE_LOGGER
 from megamoe_plugin.testing import random_layer
 from megamoe_plugin.watchdog import Watchdog
 
@@ -312,8 +313,17 @@ def _wait_for(records, predicate, timeout_s=2.0):
     return False
 
 
-def test_watchdog_starts_with_the_first_kernel_and_logs_a_failure_once(fake, caplog):
-    caplog.set_level(logging.ERROR, logger="megamoe_plugin")
+@pytest.fixture
+def package_records(caplog, monkeypatch):
+    """caplog with the package logger's ERROR records: it propagates to caplog's root handler here
+    even after a framework plugin's registration in this process routed it (route_logs_to)."""
+    monkeypatch.setattr(logging.getLogger(PACKAGE_LOGGER), "propagate", True)
+    caplog.set_level(logging.ERROR, logger=PACKAGE_LOGGER)
+    return caplog
+
+
+def test_watchdog_starts_with_the_first_kernel_and_logs_a_failure_once(fake, package_records):
+    caplog = package_records
     buf, layer = _buffer(num_ranks=2), _layer(0)
     ops.warmup(buf, layer.l1, layer.l2, [8])
     tag = ops._kernels[(None, ops.select_variant(buf, 8, True))]
@@ -377,8 +387,8 @@ def test_synchronize_passes_other_errors_and_raises_bad_ids_after_a_clean_wait(f
     mm.ops.synchronize()  # reported once
 
 
-def test_watchdog_logs_each_new_count_of_bad_expert_ids(fake, caplog):
-    caplog.set_level(logging.ERROR, logger="megamoe_plugin")
+def test_watchdog_logs_each_new_count_of_bad_expert_ids(fake, package_records):
+    caplog = package_records
     fake.watchdog.poll()
     fake.runtime.bad_expert_ids = 5
     fake.watchdog.poll()
