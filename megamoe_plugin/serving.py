@@ -246,3 +246,43 @@ def run_reference(output: torch.Tensor, hidden_states: torch.Tensor, topk_ids: t
     weights = [dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)]
     (y,) = mm.reference.mega_moe(ranks, weights, buf.shape.num_experts, activation_clamp=activation_clamp)
     output[:n].copy_(y)
+
+
+# ------------------------------------------------------------------ shared experts beside the kernel
+
+
+class SharedExpertsAfterKernel:
+    """Runs a layer's shared experts beside the kernel, launched after it: on a side stream that
+    starts where the layer's stream stood before the kernel and that the layer's stream joins after
+    the shared experts (for shared experts the kernel does not run in its call). Launched before the
+    kernel (vLLM's auxiliary stream; SGLang's mega-MoE forward while it captures CUDA graphs), their
+    GEMM blocks hold SMs that the persistent grid's CTAs must all have before its first grid barrier.
+    Measured on an H100 (tools/aux_stream_stall.py, v3's routed shape with a shared expert of I 2048,
+    FP8): the layer took 207 us at 1 token this way, 245 with the GEMMs before the kernel on one
+    stream, 263 with them launched first on another; 480-552 us at 8-64 tokens, against 515-590 and
+    528-600. One side stream and event pair per layer stream (dual-batch ubatches run on streams of
+    their own), made on the first call, before any CUDA-graph capture. The shared experts' output is
+    allocated on the side stream and read on the layer's after the join; the side stream reuses its
+    memory only after its next fork, which follows that read."""
+
+    def __init__(self):
+        self._by_stream = {}
+
+    def run(self, kernel: Callable[[], torch.Tensor], shared: Callable[[], None], on_cuda: bool) -> torch.Tensor:
+        """kernel() on the current stream, then shared() beside it; returns kernel()'s output.
+        on_cuda=False (the layer's tensors on the CPU, as in the CPU tests): one after the other."""
+        if not on_cuda:
+            shared()
+            return kernel()
+        layer_stream = torch.cuda.current_stream()
+        if layer_stream not in self._by_stream:
+            self._by_stream[layer_stream] = (torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event())
+        side, inputs_ready, shared_done = self._by_stream[layer_stream]
+        inputs_ready.record(layer_stream)
+        out = kernel()
+        with torch.cuda.stream(side):
+            side.wait_event(inputs_ready)
+            shared()
+            shared_done.record(side)
+        layer_stream.wait_event(shared_done)
+        return out

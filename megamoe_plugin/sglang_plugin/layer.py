@@ -9,6 +9,8 @@ so DeepGEMM's `--moe-a2a-backend megamoe` keeps working with the plugin installe
                                   device group, sized by SGLang's per-rank token cap
     routed forward  (forward)     staging + kernel (warmed up before its first call), or the
                                   float32 reference under MEGAMOE_EXECUTOR=reference
+    block forward   (forward)     the routed call first, the block's shared experts after it
+                                  on a side stream (SGLang computes them first)
 
 sglang 0.5.17 (HOOKS_0_5_17) hands the routed forward DeepSeek-V2's MoE block and asks for the
 buffer without an MMA type; its adapters read the same facts off the block and call the same
@@ -185,11 +187,35 @@ def should_use_0_5_17(original, moe, hidden_states) -> bool:
     return use
 
 
+_shared_after_kernel = serving.SharedExpertsAfterKernel()
+
+
+def forward_mega_moe(original, moe, hidden_states, forward_batch=None, input_ids_global=None):
+    """SGLang's mega-MoE forward of a MoE block with the routed call launched first and the block's
+    shared experts after it on a side stream (serving.SharedExpertsAfterKernel). SGLang's own order
+    computes the shared experts first, and while capturing CUDA graphs puts the routed call on
+    another stream: the shared experts' GEMMs then hold SMs the persistent kernel waits for. A block
+    whose shared experts SGLang hands to the call (its SM100 path) keeps SGLang's forward."""
+    if not selected() or getattr(moe, "mega_shared_l1_weights", None) is not None:
+        return original(moe, hidden_states, forward_batch, input_ids_global)
+    from sglang.srt.layers.moe import mega_moe
+
+    num_tokens = hidden_states.shape[0]
+    shared = []
+    y = _shared_after_kernel.run(
+        lambda: mega_moe._run_mega_routed(moe, hidden_states, forward_batch, input_ids_global, num_tokens),
+        lambda: shared.append(moe._forward_shared_experts(hidden_states)), hidden_states.is_cuda)
+    if shared[0] is not None:
+        y.add_(shared[0])
+    return y
+
+
 HOOKS = {
     _SM90 + "build_sm90_mega_moe_experts_weights": build_weights,
     _SM90 + "is_sm90_fp8_mega_moe_available": is_available,
     _MEGA + "_get_mega_moe_symm_buffer": get_buffer,
     _SM90 + "run_sm90_mega_routed": run_routed,
+    _MEGA + "forward_mega_moe": forward_mega_moe,
 }
 HOOKS_0_5_17 = {
     _SM90 + "build_sm90_mega_moe_experts_weights": build_weights,
@@ -197,4 +223,5 @@ HOOKS_0_5_17 = {
     _MEGA + "_get_mega_moe_symm_buffer": get_buffer_0_5_17,
     _SM90 + "run_sm90_mega_routed": run_routed_0_5_17,
     _MEGA + "should_use_mega_moe": should_use_0_5_17,
+    _MEGA + "forward_mega_moe": forward_mega_moe,
 }

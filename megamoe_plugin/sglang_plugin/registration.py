@@ -27,6 +27,8 @@ _ARGS = "sglang.srt.arg_groups."
 # 0.5.23 (and a later 0.5.x while these hold): the mega-MoE path takes the resolved layer
 # arguments, and argument resolution has named hooks (arg_groups.resolution_hooks).
 SIGNATURES_0_5_23: Dict[str, str] = {
+    _MOE + "mega_moe.forward_mega_moe": "(moe, hidden_states, forward_batch=None, input_ids_global=None)",
+    _MOE + "mega_moe._run_mega_routed": "(moe, hidden_states, forward_batch, input_ids_global, num_tokens)",
     _MOE + "mega_moe_sm90.build_sm90_mega_moe_experts_weights": "(experts)",
     _MOE + "mega_moe_sm90.is_sm90_fp8_mega_moe_available": "(experts)",
     _MOE + "mega_moe_sm90.run_sm90_mega_routed":
@@ -45,6 +47,8 @@ SIGNATURES_0_5_23: Dict[str, str] = {
 # "Which sglang releases"): the routed forward takes DeepSeek-V2's MoE block, the buffer has
 # no MMA type, and resolution has no hooks: the plugin wraps ServerArgs.__post_init__.
 SIGNATURES_0_5_17: Dict[str, str] = {
+    _MOE + "mega_moe.forward_mega_moe": "(moe, hidden_states, forward_batch=None, input_ids_global=None)",
+    _MOE + "mega_moe._run_mega_routed": "(moe, hidden_states, forward_batch, input_ids_global, num_tokens)",
     _MOE + "mega_moe_sm90.build_sm90_mega_moe_experts_weights": "(experts)",
     _MOE + "mega_moe_sm90.is_sm90_fp8_mega_moe_available": "(experts)",
     _MOE + "mega_moe_sm90.run_sm90_mega_routed": "(moe, hidden_states, topk_ids, topk_weights, buf, num_tokens)",

@@ -12,6 +12,7 @@ from .. import serving
 from ..serving import (  # noqa: F401  (this module is the vLLM glue's one view of the executor)
     ENV_VAR,
     EXECUTORS,
+    SharedExpertsAfterKernel,
     buffer_key,
     clear_buffers,
     get_buffer,

@@ -185,40 +185,6 @@ def _block_scale_attrs(extra_weight_attrs: dict) -> dict:
     return dict(extra_weight_attrs, quant_method=FusedMoeWeightScaleSupported.BLOCK.value)
 
 
-class _SharedExpertsAfterKernel:
-    """Runs a layer's shared experts beside the kernel, launched after it: on a side stream that
-    starts where the layer's stream stood before the kernel and that the layer's stream joins after
-    the shared experts. Launched before the kernel (vLLM's auxiliary stream), their GEMM blocks hold
-    SMs that the persistent grid's CTAs must all have before its first grid barrier. Measured on an
-    H100 (tools/aux_stream_stall.py, v3's routed shape with a shared expert of I 2048, FP8): the layer
-    took 207 us at 1 token this way, 245 with the GEMMs before the kernel on one stream, 263 with
-    them launched first on another; 480-552 us at 8-64 tokens, against 515-590 and 528-600.
-    One side stream and event pair per layer stream (dual-batch ubatches run on streams of their
-    own), made on the first call, before any CUDA-graph capture."""
-
-    def __init__(self):
-        self._by_stream = {}
-
-    def run(self, kernel, shared, on_cuda: bool):
-        """kernel() on the current stream, then shared() beside it; returns kernel()'s output.
-        on_cuda=False (the layer's tensors on the CPU, as in the CPU tests): one after the other."""
-        if not on_cuda:
-            shared()
-            return kernel()
-        layer_stream = torch.cuda.current_stream()
-        if layer_stream not in self._by_stream:
-            self._by_stream[layer_stream] = (torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event())
-        side, inputs_ready, shared_done = self._by_stream[layer_stream]
-        inputs_ready.record(layer_stream)
-        out = kernel()
-        with torch.cuda.stream(side):
-            side.wait_event(inputs_ready)
-            shared()
-            shared_done.record(side)
-        layer_stream.wait_event(shared_done)
-        return out
-
-
 class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
     """128x128 block FP8 MoE on the MegaMoE kernel (see the module docstring)."""
 
@@ -226,7 +192,7 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
         super().__init__(layer.moe_config)
         refusals.check_kernel_attribute(self, built=False)
         self.quant_config = quant_config
-        self._shared_after_kernel = _SharedExpertsAfterKernel()
+        self._shared_after_kernel = executor.SharedExpertsAfterKernel()
         self.weight_block_size = [BLOCK, BLOCK]
         self.block_quant = True
         self.weight_scale_name = "weight_scale_inv"
@@ -335,7 +301,7 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
     @property
     def mk_can_overlap_shared_experts(self) -> bool:
         """True where vLLM lets the method run the shared experts (compat.shared_experts_in_method_order):
-        `apply` launches them after the kernel (_SharedExpertsAfterKernel). Left to vLLM, a shared-expert
+        `apply` launches them after the kernel (serving.SharedExpertsAfterKernel). Left to vLLM, a shared-expert
         model's shared experts run at small batches on an auxiliary stream launched before the kernel,
         whose persistent grid then waits for SMs the GEMMs hold."""
         return compat.shared_experts_in_method_order() is not None

@@ -15,7 +15,7 @@ detaches the MLP from the runner, whose forward then has no shared experts to ru
 weight storage is released: the kernel's copy is the only one.
 
 A form the kernel cannot take stays with vLLM (the method runs it after the kernel on a side
-stream, moe_method._SharedExpertsAfterKernel), with one log line per layer shape naming why:
+stream, serving.SharedExpertsAfterKernel), with one log line per layer shape naming why:
 a gated shared expert (Qwen2-MoE's sigmoid gate), a latent MoE's transforms, a clamped SwiGLU
 (the kernel would clamp the shared experts too), TP-sharded or sequence-parallel shared experts,
 weights not in the checkpoint's 128x128-block FP8 layout (a linear backend that repacks them:

@@ -47,7 +47,7 @@ def test_plugin_loads_through_the_entry_point_in_a_fresh_process():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["registered"] is True and got["problem"] is None
     assert got["choices"] == 1
-    assert len(got["targets"]) == 6 and set(got["targets"]) <= set(got["patched"])
+    assert len(got["targets"]) == 7 and set(got["targets"]) <= set(got["patched"])
     assert all(got["wrapped"].values()), got["wrapped"]
 
 

@@ -289,12 +289,12 @@ def test_the_method_runs_the_shared_experts_itself(vllm_config, dist_env, refere
 
 
 def test_shared_experts_launch_after_the_kernel_on_a_side_stream_the_layer_joins(monkeypatch):
-    """The stream protocol of _SharedExpertsAfterKernel, on recording stand-ins for CUDA streams and
+    """The stream protocol of serving.SharedExpertsAfterKernel, on recording stand-ins for CUDA streams and
     events: the side stream starts where the layer's stream stood before the kernel, the shared experts
     are launched after the kernel, the layer's stream waits for them; one side stream per layer stream."""
     import contextlib
 
-    from megamoe_plugin.vllm_plugin.moe_method import _SharedExpertsAfterKernel
+    from megamoe_plugin.serving import SharedExpertsAfterKernel
 
     log, made = [], []
 
@@ -326,7 +326,7 @@ def test_shared_experts_launch_after_the_kernel_on_a_side_stream_the_layer_joins
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
     monkeypatch.setattr(torch.cuda, "stream", on_stream)
-    runner = _SharedExpertsAfterKernel()
+    runner = SharedExpertsAfterKernel()
     for call in range(2):
         log.clear()
         out = runner.run(lambda: log.append(("kernel", current[0].name)) or "y",
