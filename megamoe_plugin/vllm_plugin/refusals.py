@@ -241,15 +241,24 @@ def check_layer(moe_config, layer, *, executor: str) -> None:
             BACKEND, num_ranks, num_ranks)
 
 
-_warned = set()
+_logged = set()
 
 
 def warn_once(message: str, *args) -> None:
     """A warning logged once per process (not once per MoE layer)."""
-    key = (message, args)
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message, *args)
+    _log_once(logging.WARNING, message, args)
+
+
+def info_once(message: str, *args) -> None:
+    """An info line logged once per process (not once per MoE layer)."""
+    _log_once(logging.INFO, message, args)
+
+
+def _log_once(level: int, message: str, args: tuple) -> None:
+    key = (level, message, args)
+    if key not in _logged:
+        _logged.add(key)
+        logger.log(level, message, *args)
 
 
 def check_vllm_features(vllm_config) -> None:

@@ -33,7 +33,7 @@ from typing import Dict, Optional
 import torch
 
 from ..buffer import BufferShape
-from .refusals import warn_once
+from .refusals import info_once, warn_once
 
 BLOCK = 128
 
@@ -146,6 +146,8 @@ def take_from_runner(runner, moe_config, activation_clamp: Optional[float], num_
                         mlp.down_proj.weight.data, mlp.down_proj.weight_scale_inv.data, intermediate)
     scale = float(getattr(runner, "routed_scaling_factor", 1.0) or 1.0)
     _detach(runner, mlp)
+    info_once("megamoe_sm90: MoE layers' shared experts (%s of intermediate %d) run inside the kernel's call as %d "
+              "more expert(s) per rank", type(mlp).__name__, num_shared * intermediate, num_shared)
     return KernelSharedExperts(weights, num_shared, 1.0 / scale)
 
 

@@ -165,7 +165,7 @@ def test_tensor_parallel_moe_without_ep():
 
 
 def test_tp_only_ep_is_accepted_with_a_warning():
-    refusals._warned.clear()
+    refusals._logged.clear()
     with _Records() as logs:
         refusals.check_layer(_moe_config(tp_size=8, dp_size=1), _LAYER, executor="kernel")
     assert "dispatched 8 times" in logs.text and "--data-parallel-size" in logs.text

@@ -51,11 +51,21 @@ def block_fp8_linears(monkeypatch):
 
 @pytest.fixture
 def warnings_logged(monkeypatch):
-    """The lines the shared-experts glue logs (its once-per-process warnings, each time here)."""
+    """The warnings the shared-experts glue logs (once per process, each time here)."""
     from megamoe_plugin.vllm_plugin import shared_experts
 
     lines = []
     monkeypatch.setattr(shared_experts, "warn_once", lambda message, *args: lines.append(message % args))
+    return lines
+
+
+@pytest.fixture
+def info_logged(monkeypatch):
+    """The info lines the shared-experts glue logs (once per process, each time here)."""
+    from megamoe_plugin.vllm_plugin import shared_experts
+
+    lines = []
+    monkeypatch.setattr(shared_experts, "info_once", lambda message, *args: lines.append(message % args))
     return lines
 
 
@@ -103,8 +113,11 @@ def _layer_with_shared(cfg, num_shared, seed, **kwargs):
 @pytest.mark.parametrize("num_shared", [1, 2])
 @pytest.mark.parametrize("n", [1, 7, 64])
 def test_shared_experts_run_in_the_kernels_call(vllm_config, dist_env, reference_executor, block_fp8_linears,
-                                                num_shared, n):
+                                                info_logged, num_shared, n):
     runner, mlp, routed_ckpt, shared_ckpt = _layer_with_shared(vllm_config, num_shared, seed=20 + num_shared)
+    assert info_logged == [f"megamoe_sm90: MoE layers' shared experts (DeepseekV2MLP of intermediate "
+                           f"{num_shared * INTERMEDIATE}) run inside the kernel's call as {num_shared} more expert(s) "
+                           "per rank"]
     method = runner.routed_experts.quant_method
     assert runner.shared_experts is None  # vLLM has nothing left to run beside the kernel
     assert all(p.numel() == 0 for p in mlp.parameters())  # the kernel's copy is the only one
@@ -157,13 +170,14 @@ def test_the_kernel_executor_gets_the_shared_experts(vllm_config, dist_env, bloc
     ("clamped", dict(swiglu_limit=7.0), "swiglu_limit"),
 ])
 def test_forms_the_kernel_cannot_take_stay_with_vllm(vllm_config, dist_env, reference_executor, block_fp8_linears,
-                                                      warnings_logged, form, kwargs, reason):
+                                                      warnings_logged, info_logged, form, kwargs, reason):
     runner, mlp, _, _ = _layer_with_shared(vllm_config, 1, seed=40 + len(form), **kwargs)
     assert runner.shared_experts is not None and runner.shared_experts._layer is mlp
     assert mlp.gate_up_proj.weight.numel() > 0
     rt = runner.routed_experts.quant_method.runtime
     assert rt.num_shared_experts == 0 and rt.l1[0].shape[0] == NUM_EXPERTS
     assert any("run beside the kernel" in line and reason in line for line in warnings_logged)
+    assert info_logged == []
 
 
 def test_an_unlisted_linear_kernel_keeps_the_shared_experts_with_vllm(vllm_config, dist_env, reference_executor,
