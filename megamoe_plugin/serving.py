@@ -268,12 +268,14 @@ class SharedExpertsAfterKernel:
     def __init__(self):
         self._by_stream = {}
 
-    def run(self, kernel: Callable[[], torch.Tensor], shared: Callable[[], None], on_cuda: bool) -> torch.Tensor:
-        """kernel() on the current stream, then shared() beside it; returns kernel()'s output.
-        on_cuda=False (the layer's tensors on the CPU, as in the CPU tests): one after the other."""
+    def run(self, kernel: Callable[[], torch.Tensor], shared: Callable[[], Optional[torch.Tensor]],
+            on_cuda: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """kernel() on the current stream, then shared() beside it; returns both their outputs, ready
+        on the current stream. on_cuda=False (the layer's tensors on the CPU, as in the CPU tests):
+        one after the other."""
         if not on_cuda:
-            shared()
-            return kernel()
+            shared_out = shared()
+            return kernel(), shared_out
         layer_stream = torch.cuda.current_stream()
         if layer_stream not in self._by_stream:
             self._by_stream[layer_stream] = (torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event())
@@ -282,7 +284,7 @@ class SharedExpertsAfterKernel:
         out = kernel()
         with torch.cuda.stream(side):
             side.wait_event(inputs_ready)
-            shared()
+            shared_out = shared()
             shared_done.record(side)
         layer_stream.wait_event(shared_done)
-        return out
+        return out, shared_out

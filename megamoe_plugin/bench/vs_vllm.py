@@ -16,7 +16,8 @@ one CUDA graph (the side stream forked from and joined to the captured stream in
           shared_expert_mlp) launched first on an auxiliary stream, vLLM's Triton fused MoE
           on the main one, joined, added
   mm+aux  megamoe without shared experts, the same shared MLP launched after the kernel on a
-          side stream, joined, added (the plugin's vLLM glue where it does not fold them)
+          side stream, joined, added (serving.SharedExpertsAfterKernel: the plugin's glue where the
+          kernel does not take them)
   fused   megamoe with the S shared experts in the call (num_shared_experts=S, shared_scale 1)
 In a graph the two branches are independent nodes: the capture order is the launch order asked
 for, which the graph need not keep. The floor counts the shared experts' weights and FLOPs (the
@@ -46,6 +47,7 @@ from megamoe_plugin.bench.cli import require_sm90_gpu
 from megamoe_plugin.bench.floors import Ceilings, measure_fp8_rate, measure_hbm_bandwidth, rank_floor
 from megamoe_plugin.fp8 import quantize_per_token_group
 from megamoe_plugin.reference import calc_diff, mega_moe, token_rel_errors
+from megamoe_plugin.serving import SharedExpertsAfterKernel
 from megamoe_plugin.testing import random_layer, random_routing
 from megamoe_plugin.timing import graphed, l2_flusher, median_call_seconds
 
@@ -90,28 +92,21 @@ def staged_floor(buf, n: int, ceilings: Ceilings) -> float:
                       buf.shape.num_local_experts)[0]
 
 
-def fork_join(main_work: Callable[[], torch.Tensor], side_work: Callable[[], torch.Tensor],
-              side: torch.cuda.Stream, side_first: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(main_work(), side_work()): main_work on the current stream, side_work on `side`, which
-    starts where the current stream stands and which the current stream joins before this returns;
-    side_first launches side_work first. Inside a CUDA-graph capture the fork and the join put
-    `side`'s work into the graph. side_work's output lives in `side`'s memory: it is safe to use
-    on the current stream because `side` next runs only after the next fork, after that use."""
+def aux_stream_first(main_work: Callable[[], torch.Tensor], aux_work: Callable[[], torch.Tensor],
+                     aux: torch.cuda.Stream) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(main_work(), aux_work()) in vLLM's order: aux_work launched first on `aux`, which starts
+    where the current stream stands, then main_work on the current stream, which joins `aux` before
+    this returns (the plugin's order, the other way round, is serving.SharedExpertsAfterKernel).
+    Inside a CUDA-graph capture the fork and the join put `aux`'s work into the graph. aux_work's
+    output lives in `aux`'s memory: it is safe to use on the current stream because `aux` next runs
+    only after the next fork, after that use."""
     current = torch.cuda.current_stream()
-    side.wait_stream(current)
-
-    def on_side():
-        with torch.cuda.stream(side):
-            return side_work()
-
-    if side_first:
-        side_out = on_side()
-        main_out = main_work()
-    else:
-        main_out = main_work()
-        side_out = on_side()
-    current.wait_stream(side)
-    return main_out, side_out
+    aux.wait_stream(current)
+    with torch.cuda.stream(aux):
+        aux_out = aux_work()
+    main_out = main_work()
+    current.wait_stream(aux)
+    return main_out, aux_out
 
 
 def shared_header() -> str:
@@ -187,7 +182,8 @@ def _compare_with_shared_experts(args, tokens_list: List[int], layer, triton_moe
     fused_l1, fused_l2 = mm.transform_weights((c["w13"], c["w13_scale"]), (c["w2"], c["w2_scale"]), shared=shared)
     fused_buf = mm.get_symm_buffer(None, num_experts, max(tokens_list), topk, h, inter, num_shared_experts=num_shared)
     mm.ops.warmup(fused_buf, fused_l1, fused_l2, tokens_list)
-    side = torch.cuda.Stream()  # made before any capture, as vLLM's auxiliary stream is
+    aux = torch.cuda.Stream()  # made before any capture, as vLLM's auxiliary stream is
+    after_kernel = SharedExpertsAfterKernel()  # the plugin's own, as its glue runs unfolded shared experts
     print(f"shared experts of vllm and mm+aux: one MLP of intermediate size {num_shared * inter}, {mlp_name}")
     print(shared_header())
     for n in tokens_list:
@@ -204,12 +200,11 @@ def _compare_with_shared_experts(args, tokens_list: List[int], layer, triton_moe
             return shared_mlp(hidden)
 
         def vllm():
-            routed, shared_out = fork_join(lambda: triton_moe(hidden, idx, weights), shared_part, side,
-                                           side_first=True)
+            routed, shared_out = aux_stream_first(lambda: triton_moe(hidden, idx, weights), shared_part, aux)
             return routed + shared_out
 
         def mm_aux():
-            routed, shared_out = fork_join(megamoe_routed, shared_part, side, side_first=False)
+            routed, shared_out = after_kernel.run(megamoe_routed, shared_part, on_cuda=True)
             return routed + shared_out
 
         def fused():

@@ -201,12 +201,11 @@ def forward_mega_moe(original, moe, hidden_states, forward_batch=None, input_ids
     from sglang.srt.layers.moe import mega_moe
 
     num_tokens = hidden_states.shape[0]
-    shared = []
-    y = _shared_after_kernel.run(
+    y, shared_output = _shared_after_kernel.run(
         lambda: mega_moe._run_mega_routed(moe, hidden_states, forward_batch, input_ids_global, num_tokens),
-        lambda: shared.append(moe._forward_shared_experts(hidden_states)), hidden_states.is_cuda)
-    if shared[0] is not None:
-        y.add_(shared[0])
+        lambda: moe._forward_shared_experts(hidden_states), hidden_states.is_cuda)
+    if shared_output is not None:  # a block without shared experts
+        y.add_(shared_output)
     return y
 
 

@@ -315,8 +315,10 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
         if shared_experts is None or order is None:
             # Elsewhere (EPLB, sequence parallelism: no overlap) vLLM ran them itself before the MoE.
             return self._routed(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
-        return self._shared_after_kernel.run(lambda: self._routed(layer, x, topk_weights, topk_ids),
-                                             lambda: shared_experts(shared_experts_input, order), x.is_cuda)
+        # vLLM's SharedExperts keeps their output for the runner; the call returns nothing
+        out, _ = self._shared_after_kernel.run(lambda: self._routed(layer, x, topk_weights, topk_ids),
+                                               lambda: shared_experts(shared_experts_input, order), x.is_cuda)
+        return out
 
     def _routed(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         if x.shape[0] == 0:

@@ -131,8 +131,8 @@ def take_from_runner(runner, moe_config, activation_clamp: Optional[float], num_
     if mlp is None:
         return None
     reason = _why_not(runner, mlp, moe_config, activation_clamp, hidden, intermediate)
-    num_shared = 0 if reason else mlp.gate_up_proj.weight.shape[0] // (2 * intermediate)
     if reason is None:
+        num_shared = mlp.gate_up_proj.weight.shape[0] // (2 * intermediate)
         try:
             BufferShape.of_routed(num_ranks, num_experts, max(max_tokens, 1), topk, hidden, intermediate,
                                   num_shared_experts=num_shared)

@@ -330,13 +330,14 @@ def test_shared_experts_launch_after_the_kernel_on_a_side_stream_the_layer_joins
     for call in range(2):
         log.clear()
         out = runner.run(lambda: log.append(("kernel", current[0].name)) or "y",
-                         lambda: log.append(("shared", current[0].name)), on_cuda=True)
-        assert out == "y" and current[0].name == "layer"
+                         lambda: log.append(("shared", current[0].name)) or "s", on_cuda=True)
+        assert out == ("y", "s") and current[0].name == "layer"
         assert log == [("record", "event2", "layer"), ("kernel", "layer"), ("wait", "side1", "event2"),
                        ("shared", "side1"), ("record", "event3", "side1"), ("wait", "layer", "event3")], (call, log)
     assert made == ["layer", "side1", "event2", "event3"]  # made once
     log.clear()
-    runner.run(lambda: log.append("kernel"), lambda: log.append("shared"), on_cuda=False)
+    assert runner.run(lambda: log.append("kernel") or "y", lambda: log.append("shared") or "s",
+                      on_cuda=False) == ("y", "s")
     assert log == ["shared", "kernel"]  # no streams on the CPU
 
 
