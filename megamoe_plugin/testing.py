@@ -14,7 +14,7 @@ import torch
 
 from .fp8 import dequantize_per_token_group, dequantize_weight_blocks, quantize_per_token_group, quantize_weight_blocks
 from .heuristics import Numerics
-from .weights import transform_weights
+from .weights import transform_weights, untransform_weights
 
 ROUTINGS = ("uniform", "masked", "one_expert", "half_empty")
 
@@ -41,6 +41,15 @@ def random_layer(num_local_experts: int, hidden: int, intermediate: int, device,
     checkpoint = dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)
     l1, l2 = transform_weights((w13, w13_scale), (w2, w2_scale))
     return Layer(checkpoint, l1, l2)
+
+
+def with_shared_experts(layer: Layer, shared: Dict[str, torch.Tensor]) -> Layer:
+    """`layer` with the shared experts of checkpoint `shared` after its routed experts, as the
+    kernel reads a buffer with shared experts (the checkpoint view too, for the reference)."""
+    c = layer.checkpoint
+    l1, l2 = transform_weights((c["w13"], c["w13_scale"]), (c["w2"], c["w2_scale"]), shared=shared)
+    (w13, w13_scale), (w2, w2_scale) = untransform_weights(l1, l2)
+    return Layer(dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale), l1, l2)
 
 
 def random_routing(num_tokens: int, num_experts: int, num_topk: int, routing: str, device,
@@ -105,6 +114,12 @@ def fill_buffer(buf, inputs: Dict[str, torch.Tensor]) -> int:
         getattr(buf, name)[:n].copy_(inputs[name])
     buf.mark_staged(n)
     return n
+
+
+def staged_inputs(buf, n: int) -> Dict[str, torch.Tensor]:
+    """The first n tokens as stage_inputs left them in `buf`: the call as the kernel sees it
+    (shared experts' slots included), for the reference."""
+    return {name: getattr(buf, name)[:n].clone() for name in ("x", "x_sf", "topk_idx", "topk_weights")}
 
 
 def float64_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_sf: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ against the reference's intermediates (docs/design.md section 2 steps).
 
 --pool-rows: pools of P rows (buffer.BufferShape.pool_rows), fewer than the call needs, so that it
 runs in pool windows; only the whole call (phase 0) is checked then.
+--shared-experts S: S shared experts beside the E routed ones, which every token passes through
+(staged by mm.stage_inputs); only the whole call (phase 0) is checked then.
 """
 import argparse
 import math
@@ -14,7 +16,8 @@ import torch
 import megamoe_plugin as mm
 from megamoe_plugin.fp8 import dequantize_per_token_group
 from megamoe_plugin.buffer import SIGNAL_WORDS
-from megamoe_plugin.testing import check_outputs, fill_buffer, random_inputs, random_layer, reference_ranks
+from megamoe_plugin.testing import (check_outputs, fill_buffer, random_inputs, random_layer, reference_ranks,
+                                    staged_inputs, with_shared_experts)
 
 
 def main():
@@ -22,11 +25,14 @@ def main():
     parser.add_argument("shape", nargs="*", type=int, default=[2048, 768, 8, 8, 33])
     parser.add_argument("--phases", default="2,4,5,6,0")
     parser.add_argument("--pool-rows", type=int, default=None)
+    parser.add_argument("--shared-experts", type=int, default=0)
     args = parser.parse_args()
     H, I, K, E, N = args.shape
-    if args.pool_rows is not None and args.phases != "0":
-        parser.error("--pool-rows checks the whole call only: pass --phases 0")
+    if (args.pool_rows is not None or args.shared_experts) and args.phases != "0":
+        parser.error("--pool-rows and --shared-experts check the whole call only: pass --phases 0")
     gen = torch.Generator(device="cuda").manual_seed(7)
+    if args.shared_experts:
+        return whole_call_with_shared_experts(H, I, K, E, N, args.shared_experts, args.pool_rows, gen)
     layer = random_layer(E, H, I, "cuda", gen)
     buf = mm.get_symm_buffer(None, E, N, K, H, I, pool_rows=args.pool_rows)
     inputs = random_inputs(N, H, E, K, "uniform", "cuda", gen)
@@ -113,6 +119,19 @@ def main():
         if phase == 0:  # judged for the call's numerics mode (MEGAMOE_NUMERICS)
             check_outputs([y], [inputs], [layer], E, mm.ops.resolve_numerics(None))
             print("y ok", mm.reference.calc_diff(y, ys[0]))
+
+
+def whole_call_with_shared_experts(H, I, K, E, N, S, pool_rows, gen):
+    buf = mm.get_symm_buffer(None, E, N, K, H, I, pool_rows=pool_rows, num_shared_experts=S)
+    layer = with_shared_experts(random_layer(E, H, I, "cuda", gen), random_layer(S, H, I, "cuda", gen).checkpoint)
+    inputs = random_inputs(N, H, E, K, "uniform", "cuda", gen)
+    mm.stage_inputs(buf, inputs["hidden_states"], inputs["topk_idx"], inputs["topk_weights"], shared_scale=0.5)
+    y = torch.full((N, H), math.nan, dtype=torch.bfloat16, device="cuda")
+    mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
+    mm.ops.synchronize()
+    print(f"--- phase all ran ({S} shared experts)")
+    check_outputs([y], [staged_inputs(buf, N)], [layer], buf.shape.num_experts, mm.ops.resolve_numerics(None))
+    print("y ok")
 
 
 if __name__ == "__main__":

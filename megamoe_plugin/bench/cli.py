@@ -210,7 +210,7 @@ class _Timer:
         import torch
 
         import megamoe_plugin as mm
-        from ..testing import random_layer
+        from ..testing import random_layer, with_shared_experts
         from ..timing import l2_flusher
 
         self.args, self.ceilings, self.group, self.rank, self.num_ranks = args, ceilings, group, rank, num_ranks
@@ -223,9 +223,7 @@ class _Timer:
         if args.shared_experts:  # replicated: every rank draws the same ones
             shared = random_layer(args.shared_experts, hidden, inter, "cuda",
                                   torch.Generator(device="cuda").manual_seed(999)).checkpoint
-            c = self.layer.checkpoint
-            self.layer.l1, self.layer.l2 = mm.transform_weights((c["w13"], c["w13_scale"]), (c["w2"], c["w2_scale"]),
-                                                                shared=shared)
+            self.layer = with_shared_experts(self.layer, shared)
         self.flush = l2_flusher()
 
     def inputs(self, n: int) -> Dict:

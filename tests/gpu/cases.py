@@ -79,15 +79,17 @@ GPU_NAME = "NVIDIA H200"
 
 
 def call_variants(num_ranks, num_experts, topk, hidden, inter, max_tokens, num_sms, fast_maths=(True, False),
-                  forced_block_m=None, numerics_modes=None, pool_rows=None):
+                  forced_block_m=None, numerics_modes=None, pool_rows=None, num_shared_experts=0):
     """Every variant a call with 0..max_tokens tokens per rank can select on GPU_NAME, in both
     numerics modes (ops.select_variant: the shipped table, else the heuristic; MEGAMOE_BLOCK_M
-    = forced_block_m), on a buffer with `pool_rows` (BufferShape)."""
+    = forced_block_m), on a buffer with `pool_rows` and `num_shared_experts` beside the
+    `num_experts` routed ones (BufferShape.of_routed)."""
     from megamoe_plugin.buffer import BufferShape
     from megamoe_plugin.heuristics import NUMERICS_MODES
     from megamoe_plugin.variants import variant_for
 
-    shape = BufferShape(num_ranks, num_experts, max_tokens, topk, hidden, inter, pool_rows)
+    shape = BufferShape.of_routed(num_ranks, num_experts, max_tokens, topk, hidden, inter, pool_rows,
+                                  num_shared_experts)
     return list(dict.fromkeys(
         variant_for(shape, GPU_NAME, num_sms, n, fast_math, numerics, forced_block_m)
         for n in range(max_tokens + 1) for fast_math in fast_maths for numerics in numerics_modes or NUMERICS_MODES))
@@ -156,47 +158,51 @@ def variants():
     from .test_shared_experts_gpu import HIDDEN as SHARED_H, INTER as SHARED_I, SIDE_BY_SIDE
 
     for num_ranks in (2, 4, 8):  # tests/gpu/test_shared_experts_gpu.py: one shared expert per rank
-        local, topk, max_tokens = SIDE_BY_SIDE["local_routed"] + 1, SIDE_BY_SIDE["topk"] + 1, SIDE_BY_SIDE["max_tokens"]
+        local, topk, max_tokens = SIDE_BY_SIDE["local_routed"], SIDE_BY_SIDE["topk"], SIDE_BY_SIDE["max_tokens"]
         out += call_variants(num_ranks, local * num_ranks, topk, SHARED_H, SHARED_I, max_tokens, 132 // num_ranks,
-                             (True,))
+                             (True,), num_shared_experts=1)
     for num_sms in (132, 124, 116):  # tools/aux_stream_stall.py
         out += call_variants(1, 32, 8, 7168, 2048, 64, num_sms, (True,))
     return list(dict.fromkeys(out))
 
 
 # compute-sanitizer's runs: tools/debug_phases.py H I K E N on SANITIZER_SMS CTAs with each tier
-# forced, and its pool rows (None: the default pools), all on each job line. A small shape; one at I 2048 whose pool rows
-# outnumber those pulled before L1 (fast numerics pulls the rest during L1); and pools of 128 rows for
-# 256 entries, so that every tier runs the call in pool windows (the window kernel too).
+# forced, its pool rows (None: the default pools) and its shared experts, all on each job line. A small
+# shape; one at I 2048 whose pool rows outnumber those pulled before L1 (fast numerics pulls the rest
+# during L1); pools of 128 rows for 256 entries, so that every tier runs the call in pool windows (the
+# window kernel too); and a shared expert beside the routed ones, which every token's extra slot names.
 SANITIZER_SMS = 8  # tools/sanitizer_sweep.sh: fewer CTAs spinning on flags under the tools
-SANITIZER_SHAPES = [((384, 256, 4, 4, 16), ("fast", "exact"), None), ((384, 2048, 4, 4, 64), ("fast",), None),
-                    ((384, 256, 4, 4, 64), ("fast", "exact"), 128)]
+SANITIZER_SHAPES = [((384, 256, 4, 4, 16), ("fast", "exact"), None, 0), ((384, 2048, 4, 4, 64), ("fast",), None, 0),
+                    ((384, 256, 4, 4, 64), ("fast", "exact"), 128, 0), ((384, 256, 4, 4, 33), ("fast", "exact"), None, 1)]
 
 
 def sanitizer_variants():
     from megamoe_plugin.heuristics import implemented_block_m
 
     out = []
-    for (hidden, inter, topk, experts, tokens), modes, pool_rows in SANITIZER_SHAPES:
+    for (hidden, inter, topk, experts, tokens), modes, pool_rows, shared in SANITIZER_SHAPES:
         for numerics in modes:
             for block_m in implemented_block_m(numerics):
                 out += call_variants(1, experts, topk, hidden, inter, tokens, SANITIZER_SMS, (True,),
-                                     forced_block_m=block_m, numerics_modes=(numerics,), pool_rows=pool_rows)
+                                     forced_block_m=block_m, numerics_modes=(numerics,), pool_rows=pool_rows,
+                                     num_shared_experts=shared)
     return out
 
 
 def sanitizer_jobs(numerics_modes=None, tiers=None):
-    """One line per job: numerics, tool, BLOCK_M, tools/debug_phases.py's H I K E N, pool rows or "-", CTAs."""
+    """One line per job: numerics, tool, BLOCK_M, tools/debug_phases.py's H I K E N, pool rows or "-", CTAs,
+    shared experts."""
     from megamoe_plugin.heuristics import implemented_block_m
 
-    for shape, modes, pool_rows in reversed(SANITIZER_SHAPES):  # the longest first
+    for shape, modes, pool_rows, shared in sorted(SANITIZER_SHAPES, key=lambda job: -job[0][-1]):  # the longest first
         for numerics in modes:
             if numerics_modes and numerics not in numerics_modes:
                 continue
             for tool in ("racecheck", "memcheck"):
                 for block_m in implemented_block_m(numerics):
                     if not tiers or block_m in tiers:
-                        yield " ".join(map(str, (numerics, tool, block_m, *shape, pool_rows or "-", SANITIZER_SMS)))
+                        yield " ".join(map(str, (numerics, tool, block_m, *shape, pool_rows or "-", SANITIZER_SMS,
+                                                 shared)))
 
 
 # tools/tile_timeline.py's pull / scatter lag runs: (ranks side by side on one H200, numerics), each at

@@ -9,23 +9,10 @@ import pytest
 import torch
 
 import megamoe_plugin as mm
-from megamoe_plugin.testing import Layer, output_errors, random_inputs, random_layer
+from megamoe_plugin.testing import output_errors, random_inputs, random_layer, staged_inputs, with_shared_experts
 
 HIDDEN, INTER = 384, 256  # kernel shapes tests/gpu/cases.py precompiles: K 4, E 4 on one rank; K 2, E 4 R per rank
 SIDE_BY_SIDE = dict(local_routed=3, topk=1, max_tokens=16)  # tests/gpu/cases.py precompiles its R = 2, 4, 8
-
-
-def _folded(layer, shared):
-    """The routed layer with the shared experts after its experts, as the kernel reads it."""
-    c = layer.checkpoint
-    l1, l2 = mm.transform_weights((c["w13"], c["w13_scale"]), (c["w2"], c["w2_scale"]), shared=shared)
-    (w13, s13), (w2, s2) = mm.untransform_weights(l1, l2)
-    return Layer(checkpoint=dict(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2), l1=l1, l2=l2)
-
-
-def _kernel_view(buf, n):
-    return dict(x=buf.x[:n].clone(), x_sf=buf.x_sf[:n].clone(), topk_idx=buf.topk_idx[:n].clone(),
-                topk_weights=buf.topk_weights[:n].clone())
 
 
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
@@ -33,7 +20,7 @@ def test_one_rank_returns_routed_plus_shared(numerics):
     gen = torch.Generator(device="cuda").manual_seed(31)
     routed_experts, topk, max_tokens = 3, 3, 50
     buf = mm.get_symm_buffer(None, routed_experts, max_tokens, topk, HIDDEN, INTER, num_shared_experts=1)
-    layer = _folded(random_layer(routed_experts, HIDDEN, INTER, "cuda", gen),
+    layer = with_shared_experts(random_layer(routed_experts, HIDDEN, INTER, "cuda", gen),
                     random_layer(1, HIDDEN, INTER, "cuda", gen).checkpoint)
     counts = (0, 1, 7, 21, max_tokens)
     mm.ops.warmup(buf, layer.l1, layer.l2, counts, numerics=numerics)
@@ -45,7 +32,7 @@ def test_one_rank_returns_routed_plus_shared(numerics):
         y = torch.full((n, HIDDEN), math.nan, dtype=torch.bfloat16, device="cuda")
         mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, numerics=numerics)
         mm.ops.synchronize()
-        assert output_errors([y], [_kernel_view(buf, n)], [layer], buf.shape.num_experts, numerics) == [None], n
+        assert output_errors([y], [staged_inputs(buf, n)], [layer], buf.shape.num_experts, numerics) == [None], n
 
 
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
@@ -54,7 +41,7 @@ def test_a_graph_replays_routed_plus_shared_on_new_inputs(numerics):
     gen = torch.Generator(device="cuda").manual_seed(33)
     routed_experts, topk, n = 3, 3, 21
     buf = mm.get_symm_buffer(None, routed_experts, 50, topk, HIDDEN, INTER, num_shared_experts=1)
-    layer = _folded(random_layer(routed_experts, HIDDEN, INTER, "cuda", gen),
+    layer = with_shared_experts(random_layer(routed_experts, HIDDEN, INTER, "cuda", gen),
                     random_layer(1, HIDDEN, INTER, "cuda", gen).checkpoint)
     mm.ops.warmup(buf, layer.l1, layer.l2, [n], numerics=numerics)
     first = random_inputs(n, HIDDEN, routed_experts, topk, "uniform", "cuda", gen)
@@ -76,7 +63,7 @@ def test_a_graph_replays_routed_plus_shared_on_new_inputs(numerics):
         y.fill_(math.nan)
         graph.replay()
         mm.ops.synchronize()
-        assert output_errors([y], [_kernel_view(buf, n)], [layer], buf.shape.num_experts, numerics) == [None], step
+        assert output_errors([y], [staged_inputs(buf, n)], [layer], buf.shape.num_experts, numerics) == [None], step
 
 
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
@@ -87,7 +74,7 @@ def test_ranks_side_by_side_return_routed_plus_shared(numerics, ranks):
     bufs = mm.buffer.get_local_rank_buffers(ranks, ranks * local_routed, max_tokens, topk, HIDDEN, INTER,
                                             num_shared_experts=1)
     shared = random_layer(1, HIDDEN, INTER, "cuda", gen).checkpoint  # replicated on every rank
-    layers = [_folded(random_layer(local_routed, HIDDEN, INTER, "cuda", gen), shared) for _ in range(ranks)]
+    layers = [with_shared_experts(random_layer(local_routed, HIDDEN, INTER, "cuda", gen), shared) for _ in range(ranks)]
     streams = [torch.cuda.Stream() for _ in range(ranks)]
     for buf, layer in zip(bufs, layers):
         mm.ops.warmup(buf, layer.l1, layer.l2, [max_tokens], numerics=numerics)
@@ -105,5 +92,5 @@ def test_ranks_side_by_side_return_routed_plus_shared(numerics, ranks):
             with torch.cuda.stream(stream):
                 mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, config_num_tokens=max_tokens, numerics=numerics)
         mm.ops.synchronize()
-        views = [_kernel_view(buf, n) for buf, n in zip(bufs, counts)]
+        views = [staged_inputs(buf, n) for buf, n in zip(bufs, counts)]
         assert output_errors(ys, views, layers, bufs[0].shape.num_experts, numerics) == [None] * ranks, step
