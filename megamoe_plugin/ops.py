@@ -214,6 +214,26 @@ def warmup(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Ite
     return loaded
 
 
+def load_kernels(variants: Iterable[KernelVariant], device: Optional[torch.device] = None) -> None:
+    """Compiles those of `variants` the kernel cache lacks (several at once, where this process can
+    compile) and loads every one into `device` (default: the current one), as warmup does for the
+    variants its calls select; a variant that cannot be had raises (jit.KernelMissingError)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    variants = list(dict.fromkeys(variants))
+    missing = [v for v in variants if (device.index, v) not in _kernels]
+    # The bar says which it is: a start-up from a warm cache only loads (a "compiling" bar there
+    # read as an nvcc run in the logs).
+    action = "compiling" if variants_to_compile(missing) else "loading"
+    progress = progress_bar(len(variants), f"megamoe: {action} kernels", "variant")
+    for compiled in compile_variants(missing, on_done=lambda v, result: progress.update()):
+        if isinstance(compiled, RuntimeError):
+            raise compiled
+    progress.update(len(variants) - len(missing))
+    progress.close()
+    for v in variants:  # cached cubins now: loading them is quick
+        _kernel_handle(device, v)
+
+
 def _load_for_calls(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_list: Iterable[int],
                     fast_math: bool, numerics: Optional[Numerics], other_layers: Iterable[Tuple[WeightPair, WeightPair]]
                     ) -> int:
@@ -226,19 +246,9 @@ def _load_for_calls(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_
         v = select_variant(buf, n, fast_math, numerics)
         if v not in variants:
             variants.append(v)
-    missing = [v for v in variants if (buf.device.index, v) not in _kernels]
-    _raise_if_not_buildable(buf, missing, num_tokens_list, numerics, fast_math)
-    # The bar says which it is: a start-up from a warm cache only loads (a "compiling" bar there
-    # read as an nvcc run in the logs).
-    action = "compiling" if variants_to_compile(missing) else "loading"
-    progress = progress_bar(len(variants), f"megamoe: {action} kernels", "variant")
-    for compiled in compile_variants(missing, on_done=lambda v, result: progress.update()):
-        if isinstance(compiled, RuntimeError):
-            raise compiled
-    progress.update(len(variants) - len(missing))
-    progress.close()
-    for v in variants:  # cached cubins now: loading them is quick
-        _kernel_handle(buf.device, v)
+    _raise_if_not_buildable(buf, [v for v in variants if (buf.device.index, v) not in _kernels], num_tokens_list,
+                            numerics, fast_math)
+    load_kernels(variants, buf.device)
     for layer_l1, layer_l2 in [(l1, l2), *other_layers]:
         for block_m in dict.fromkeys(v.block_m for v in variants):
             _params_handle(buf, tuple(layer_l1), tuple(layer_l2), block_m)
