@@ -219,6 +219,7 @@ def load_kernels(variants: Iterable[KernelVariant], device: Optional[torch.devic
     compile) and loads every one into `device` (default: the current one), as warmup does for the
     variants its calls select; a variant that cannot be had raises (jit.KernelMissingError)."""
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    torch.empty(0, device=device)  # the device's CUDA context, which a process that allocated nothing yet lacks
     variants = list(dict.fromkeys(variants))
     missing = [v for v in variants if (device.index, v) not in _kernels]
     # The bar says which it is: a start-up from a warm cache only loads (a "compiling" bar there
