@@ -39,6 +39,24 @@ def median_call_seconds(fn: Callable[[], object], iters: int, before: Optional[C
     return statistics.median(times)
 
 
+# SM cycles of the clock probe: about a millisecond at Hopper's clocks, so that the probe's launch
+# (a few microseconds) is under 1% of what it times.
+CLOCK_PROBE_CYCLES = 2_000_000
+
+
+def sm_clock_mhz() -> float:
+    """The SM clock the GPU runs at now, in MHz: a kernel that spins a known number of SM cycles
+    (torch.cuda._sleep), timed between CUDA events. Power and thermal limits lower the clock under
+    a heavy load, so a benchmark prints it beside each time: a cell that moves between runs at one
+    clock is not moving for the clock's sake."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(CLOCK_PROBE_CYCLES)
+    end.record()
+    end.synchronize()
+    return CLOCK_PROBE_CYCLES / (start.elapsed_time(end) * 1e3)  # cycles per microsecond
+
+
 def l2_flusher(device="cuda") -> Callable[[], None]:
     """A call that overwrites more memory than the L2 holds. In a model, the layers between
     two calls of one MoE layer evict its weights, so a timed call must read them from HBM."""

@@ -131,7 +131,8 @@ def test_rows_line_up_with_the_header():
     line = report.row(first)
     assert len(line) == len(report.header())
     # The last column, NVLink MB per call, is "-" on one rank.
-    assert line.split() == ["v3", "fast", "1", "200.0", "5.0", "120.0", "1.67", "220.0", "600.0", "2.73", "-"]
+    assert line.split() == ["v3", "fast", "1", "200.0", "5.0", "120.0", "1.67", "-", "220.0", "600.0", "2.73", "-"]
+    assert report.row(dict(first, sm_mhz=1755.4)).split()[7] == "1755"
     assert report.row(dict(first, baseline_us=None, speedup=None)).split()[-3:] == ["-", "-", "-"]
 
 

@@ -257,6 +257,7 @@ class _Timer:
 
         import megamoe_plugin as mm
         from . import report
+        from ..timing import sm_clock_mhz
         from .floors import rank_floor
 
         n = inputs["x"].shape[0]
@@ -275,6 +276,7 @@ class _Timer:
         # The slots as the kernel sees them (shared experts' included): what the floor counts.
         kernel_idx = self.buf.topk_idx[:n].cpu()
         t = self._slowest(self.median(kernel))
+        sm_mhz = sm_clock_mhz()  # the clock those calls left: what a power or thermal limit holds it at
         t_e2e = self._slowest(self.median(from_bf16))
         all_idx = [kernel_idx]
         if self.group is not None:
@@ -285,7 +287,7 @@ class _Timer:
         floor, flops, nvlink_bytes = rank_floor(all_idx, self.rank, self.num_ranks, self.hidden, self.inter,
                                                 self.ceilings, self.buf.shape.num_local_experts)
         return report.point(self.name, numerics, n, t, flops, floor, t_e2e, t_base,
-                            nvlink_bytes if self.num_ranks > 1 else None)
+                            nvlink_bytes if self.num_ranks > 1 else None, sm_mhz)
 
     def close(self) -> None:
         import torch
