@@ -26,29 +26,10 @@ from typing import List, Optional
 from ..heuristics import NUMERICS_MODES
 from ..jit.command import DEFAULT_BATCH_SIZES, DEFAULT_GPU
 
-# The load step's child: the CUTLASS headers hidden, so find_toolchain finds none and only the
-# cache's verified builds can load; prints the variants and the seconds of ops.load_kernels.
-_LOAD_CHILD = """
-import sys, time
-sys.modules["cutlass_library"] = None
-import torch
-from megamoe_plugin import ops
-from megamoe_plugin.jit import find_toolchain
-from megamoe_plugin.jit.command import parse_batch_sizes
-from megamoe_plugin.model_config import MoEShape
-from megamoe_plugin.variants import build_variants_for
-toolchain, _ = find_toolchain()
-assert toolchain is None, "the load step must run without a toolchain"
-shape = MoEShape(**dict(zip(("hidden", "intermediate_size", "num_experts", "num_topk", "num_shared_experts"),
-                            map(int, sys.argv[1:6]))))
-variants = build_variants_for(shape, int(sys.argv[6]), parse_batch_sizes(sys.argv[7]), sys.argv[8],
-                              tuple(sys.argv[9].split(",")))
-torch.cuda.init()
-start = time.perf_counter()
-ops.load_kernels(variants)
-torch.cuda.synchronize()
-print(len(variants), time.perf_counter() - start)
-"""
+# The load step's child: this module's load_step with the CUTLASS headers hidden, so that it finds no
+# toolchain and only the cache's verified builds can load.
+_LOAD_CHILD = ("import sys; sys.modules['cutlass_library'] = None; "
+               "from megamoe_plugin.bench.startup import load_step; load_step(sys.argv[1:])")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -67,16 +48,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _shape_argv(args) -> List[str]:
-    argv = []
-    for flag, value in (("--model", args.model), ("--hidden", args.hidden),
-                        ("--intermediate-size", args.intermediate_size), ("--num-experts", args.num_experts),
-                        ("--topk", args.topk), ("--shared-experts", args.shared_experts)):
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv
-
-
 def _timed(cmd: List[str], env=None) -> tuple:
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -87,11 +58,41 @@ def _timed(cmd: List[str], env=None) -> tuple:
     return seconds, proc.stdout
 
 
+def _variants(p: argparse.ArgumentParser, args):
+    """The variants `jit --build` builds for these options."""
+    from ..jit.command import parse_batch_sizes
+    from ..model_config import shape_from_args
+    from ..variants import build_variants_for
+
+    return build_variants_for(shape_from_args(args, p, required=True), args.ep_size,
+                              parse_batch_sizes(args.batch_sizes), args.gpu, tuple(args.numerics.split(",")))
+
+
+def load_step(argv: List[str]) -> None:
+    """The load step, in the child: ops.load_kernels of every variant of the options `argv` (--gpu
+    given), timed; prints the count and the seconds."""
+    import torch
+
+    from .. import ops
+    from ..jit import find_toolchain
+
+    if find_toolchain()[0] is not None:
+        raise SystemExit("the load step must run where nothing can compile")
+    p = parser()
+    args = p.parse_args(argv)
+    variants = _variants(p, args)
+    start = time.perf_counter()
+    ops.load_kernels(variants)
+    torch.cuda.synchronize()
+    print(len(variants), time.perf_counter() - start)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     import torch
 
     from ..model_config import shape_from_args
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = parser()
     args = p.parse_args(argv)
     shape = shape_from_args(args, p, required=True)
@@ -99,12 +100,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if cache.exists() and any(cache.iterdir()):
         p.error(f"--cache-dir {cache} is not empty: the cold start needs an empty folder")
     on_gpu = torch.cuda.is_available()
-    gpu = args.gpu or (torch.cuda.get_device_name() if on_gpu else DEFAULT_GPU)
-    build = [sys.executable, "-m", "megamoe_plugin.jit", "--build", *_shape_argv(args), "--ep-size",
-             str(args.ep_size), "--batch-sizes", args.batch_sizes, "--numerics", args.numerics, "--gpu", gpu,
-             "--cache-dir", str(cache)]
+    if args.gpu is None:  # every step selects the variants of the same GPU
+        argv += ["--gpu", torch.cuda.get_device_name() if on_gpu else DEFAULT_GPU]
+        args = p.parse_args(argv)
+    build = [sys.executable, "-m", "megamoe_plugin.jit", "--build", *argv]  # its options are jit --build's
     print(f"{shape.describe()}, EP {args.ep_size}, batch sizes {args.batch_sizes}, {args.numerics} numerics, "
-          f"variants of {gpu}; {os.cpu_count()} CPUs", flush=True)
+          f"variants of {args.gpu}; {os.cpu_count()} CPUs", flush=True)
     cold, out = _timed(build)
     print(f"cold start (jit --build, nvcc): {cold:.1f} s; {out.strip().splitlines()[-1]}", flush=True)
     warm, _ = _timed(build)
@@ -114,10 +115,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     env = {k: v for k, v in os.environ.items() if k != "MEGAMOE_CUTLASS_INCLUDE"}
     env["MEGAMOE_CACHE_DIR"] = str(cache)
-    child = [sys.executable, "-c", _LOAD_CHILD, str(shape.hidden), str(shape.intermediate_size),
-             str(shape.num_experts), str(shape.num_topk), str(shape.num_shared_experts), str(args.ep_size),
-             args.batch_sizes, gpu, args.numerics]
-    process, out = _timed(child, env)
+    process, out = _timed([sys.executable, "-c", _LOAD_CHILD, *argv], env)
     num_variants, load = out.split()[-2:]
     print(f"start from the pre-built cache without a toolchain: {num_variants} variants loaded in {float(load):.2f} s "
           f"({process:.1f} s with the process's start and imports)")
