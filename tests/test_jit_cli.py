@@ -49,6 +49,25 @@ def test_check_prints_each_row_as_its_variant_finishes(monkeypatch, capsys):
     assert "compile error" in next(line for line in lines if variants[1].name() in line)
 
 
+@pytest.mark.parametrize("sites, status", [
+    (None, "SPILLS"),  # nvdisasm missing or unable to read the cubin: where they lie is unknown
+    ([("megamoe_fused_kernel", False), ("megamoe_window_kernel", True)], "ok (spills outside the main loops)"),
+    ([("megamoe_fused_kernel", False), ("megamoe_fused_kernel", True)], "SPILLS"),
+])
+def test_a_spill_fails_unless_every_fused_kernel_spill_lies_outside_the_main_loops(monkeypatch, capsys, sites, status):
+    from megamoe_plugin.jit.spill_sites import SpillSite
+
+    variant = kernel_variant.KernelVariant(384, 256, 2, 4, 1, 64, 2, True)
+    log = PTXAS.format(name=kernel_variant.KERNEL_NAME, spill=8)
+    monkeypatch.setattr(jit_check, "compile_variants", lambda vs, on_done: [
+        on_done(v, jit.CompiledKernel(v, Path("k.cubin"), log)) for v in vs])
+    monkeypatch.setattr(jit_check, "cubin_spill_sites", lambda cubin: None if sites is None else [
+        SpillSite(function, line, "STL [R1], R2", inside) for line, (function, inside) in enumerate(sites)])
+    failures = jit_check.check_variants([variant])
+    row = next(line for line in capsys.readouterr().out.splitlines() if variant.name() in line)
+    assert row.endswith(status) and failures == (status == "SPILLS")
+
+
 def test_module_cli_runs_without_a_runpy_warning():
     proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "megamoe_plugin.jit", "--help"],
                           capture_output=True, text=True, timeout=120)

@@ -1,7 +1,9 @@
-"""tools/spill_sites.py: which spill instructions lie inside a WGMMA main loop (the innermost loop
-that holds a GMMA), read from nvdisasm-shaped text."""
+"""megamoe_plugin.jit.spill_sites: which spill instructions lie inside a WGMMA main loop (the innermost
+loop that holds a GMMA), read from nvdisasm-shaped text; tools/spill_sites.py's variant names."""
 import importlib.util
 from pathlib import Path
+
+from megamoe_plugin.jit.spill_sites import spill_sites
 
 _spec = importlib.util.spec_from_file_location(
     "spill_sites", Path(__file__).resolve().parents[1] / "tools" / "spill_sites.py")
@@ -35,7 +37,7 @@ SASS = """
 
 
 def test_spills_inside_the_innermost_gmma_loop_only_count_as_main_loop():
-    sites = spill_sites_tool.spill_sites(SASS)
+    sites = spill_sites(SASS)
     got = [(s.function, s.instruction.split()[0], s.in_main_loop) for s in sites]
     assert got == [("megamoe_fused_kernel", "STL", False), ("megamoe_fused_kernel", "LDL", False),
                    ("megamoe_fused_kernel", "STL.64", True), ("megamoe_fused_kernel", "LDL.LU", False),

@@ -1,6 +1,14 @@
 """This kernel's compile checks (`python -m megamoe_plugin.jit --check`): the resource rows ptxas
-reports (registers, spills, stack, shared memory, serialized WGMMAs), the spills allowed outside the
-main loops, and the variants the heuristics pick for the reference configs."""
+reports (registers, spills, stack, shared memory, serialized WGMMAs) and the variants the heuristics
+pick for the reference configs.
+
+A spill fails the check where it lies inside a WGMMA main loop (megamoe_plugin.jit.spill_sites), where
+it would cost on every k-block, or where nvdisasm cannot tell. Outside the main loops it costs once per
+tile or per call and is shown, not failed: at BLOCK_M 64 with fast_math the math warps sit at a
+384-thread CTA's 168 registers, and ptxas spills a few bytes (8 to 160 by shape, ranks and depth, so
+by GPU, whose table or heuristic picks the depth) of the tile bounds, an L1 tile's act-row offset
+reloaded in its epilogue and, at R >= 2, the cross-rank barrier's per-peer slots.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -12,21 +20,7 @@ from typing import List, Union
 from ..buffer import BufferShape
 from ..kernel_variant import KERNEL_NAME, WINDOW_KERNEL_NAME, KernelVariant
 from . import CompiledKernel, compile_variants
-
-# Fused kernels that may spill, each up to the bytes given: BLOCK_M 64 with fast_math at top-8, where
-# the math warps sit at the 168 registers of a 384-thread CTA. Every load of these spills lies outside
-# the WGMMA main loops, once per tile: the L1 and L2 loops' tile bounds, reloaded at each tile's check,
-# and (h7168 R = 2) an L1 tile's act-row offset and m-block, reloaded in its epilogue; at R = 2 also 12 B
-# saved once per call around the cross-rank barrier's call check (sync.cuh rank_sync: one slot per peer)
-# (tools/spill_sites.py lists them; it needs nvdisasm, which the compile check does not have everywhere).
-# A spill that grows past its allowance fails as any other.
-SPILLS_OUTSIDE_MAIN_LOOPS = {
-    "h7168_i2048_k8_e32_r1_bm64_st5_fm1_fast": 8,
-    "h7168_i2048_k8_e64_r2_bm64_st5_fm1_fast_win": 56,
-    "h4096_i1536_k8_e64_r2_bm64_st5_fm1_fast_win": 28,
-    "h2048_i768_k8_e64_r2_bm64_st5_fm1_fast_win": 28,
-}
-
+from .spill_sites import cubin_spill_sites
 
 WGMMA_SERIALIZED = re.compile(r"\((C\d+)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized")
 
@@ -69,6 +63,13 @@ def parse_ptxas(log: str, entry: str = KERNEL_NAME) -> ResourceUsage:
     )
 
 
+def _spills_outside_main_loops(compiled: CompiledKernel) -> bool:
+    """Whether nvdisasm finds every spill of the fused kernel outside its WGMMA main loops (False
+    where it cannot read the cubin). The window kernel's spills are shown, not judged (below)."""
+    sites = cubin_spill_sites(compiled.cubin)
+    return sites is not None and not any(s.in_main_loop for s in sites if s.function == KERNEL_NAME)
+
+
 def check_variants(variants: List[KernelVariant]) -> int:
     """Compiles `variants`, printing each one's resource row with a count as it finishes (a
     full check compiles for minutes); returns the number of failures."""
@@ -86,13 +87,12 @@ def check_variants(variants: List[KernelVariant]) -> int:
             spills = usage.spill_stores + usage.spill_loads
             # A timeline build's clock registers may spill a few bytes (12-20 at BLOCK_M 64, outside
             # the main loop): acceptable in that debugging build, shown, not failed.
-            allowed = SPILLS_OUTSIDE_MAIN_LOOPS.get(variant.name(), 0)
-            spills_fail = spills > allowed and not variant.timeline
+            spills_fail = spills > 0 and not variant.timeline and not _spills_outside_main_loops(compiled)
             ok = not spills_fail and usage.registers > 0 and not usage.wgmma_serialized
             status = ("SPILLS" if spills_fail else f"WGMMA SERIALIZED (ptxas {usage.wgmma_serialized})" if usage.wgmma_serialized
                       else "no ptxas report" if usage.registers <= 0
                       else "ok (timeline build spills)" if spills and variant.timeline
-                      else f"ok (allowed: at most {allowed} B outside the main loops)" if spills
+                      else "ok (spills outside the main loops)" if spills
                       else "ok")
             if variant.windowed:
                 # The window kernel runs only the calls whose rows overflow the pools; its spills (its
