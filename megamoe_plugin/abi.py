@@ -30,7 +30,8 @@ SIGNAL_WORDS: Dict[str, int] = {
 
 
 @functools.lru_cache(maxsize=None)
-def smem_plan(block_m: int, num_stages: int, num_local_experts: int, exact: bool) -> Dict[str, int]:
+def smem_plan(block_m: int, num_stages: int, num_local_experts: int, exact: bool, fp4: bool = False) -> Dict[str, int]:
     """Byte offsets of SharedStorage's members (smem.cuh, which static_asserts them), the bytes of
-    one pipeline stage ("stage") and of the whole struct ("bytes", without kSmemAlignSlack)."""
-    return _abi.smem_plan(block_m, num_stages, num_local_experts, exact)
+    one pipeline stage ("stage") and of the whole struct ("bytes", without kSmemAlignSlack); `fp4`:
+    MXFP4 expert weights (csrc/megamoe/config.cuh kFp4Weights)."""
+    return _abi.smem_plan(block_m, num_stages, num_local_experts, exact, fp4)

@@ -64,9 +64,24 @@ def check_numerics(numerics) -> Numerics:
     return numerics
 
 
-def implemented_block_m(numerics: Numerics) -> tuple:
-    """The tiers the kernel implements in this numerics mode."""
+# The experts' weight formats (weights.weight_format): FP8 128x128 blocks, or MXFP4 read at 4 bits
+# (csrc/megamoe/config.cuh kFp4Weights), so far in the swap-AB tiers of fast numerics.
+WEIGHT_FORMATS = ("fp8", "mxfp4")
+_FP4_BLOCK_M = (8, 16, 32)
+
+
+def check_weight_format(weights) -> str:
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    return weights
+
+
+def implemented_block_m(numerics: Numerics, weights: str = "fp8") -> tuple:
+    """The tiers the kernel implements in this numerics mode for this weight format (none for MXFP4
+    weights in exact numerics, so far)."""
     exact = check_numerics(numerics) == "exact"
+    if check_weight_format(weights) == "mxfp4":
+        return () if exact else _FP4_BLOCK_M
     return tuple(tier.block_m for tier in TIERS if tier.exact or not exact)
 
 
@@ -135,22 +150,24 @@ def _check_local_experts(num_local_experts: int) -> None:
         raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
 
 
-def _smem_plan(block_m: int, num_stages: int, num_local_experts: int, numerics: Numerics) -> dict:
-    return abi.smem_plan(block_m, num_stages, num_local_experts, check_numerics(numerics) == "exact")
+def _smem_plan(block_m: int, num_stages: int, num_local_experts: int, numerics: Numerics, weights: str = "fp8") -> dict:
+    return abi.smem_plan(block_m, num_stages, num_local_experts, check_numerics(numerics) == "exact",
+                         check_weight_format(weights) == "mxfp4")
 
 
-def smem_bytes(block_m: int, num_stages: int, num_local_experts: int, numerics: Numerics = DEFAULT_NUMERICS) -> int:
+def smem_bytes(block_m: int, num_stages: int, num_local_experts: int, numerics: Numerics = DEFAULT_NUMERICS,
+               weights: str = "fp8") -> int:
     """Dynamic shared memory one CTA is launched with, in bytes: the kernel's SharedStorage as abi.h
     plans it (num_stages pipeline stages and the fixed part) and the slack that aligns its base."""
     _check_tier(block_m)
     _check_local_experts(num_local_experts)
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    return _smem_plan(block_m, num_stages, num_local_experts, numerics)["bytes"] + abi.kSmemAlignSlack
+    return _smem_plan(block_m, num_stages, num_local_experts, numerics, weights)["bytes"] + abi.kSmemAlignSlack
 
 
 def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = SMEM_LIMIT,
-                        numerics: Numerics = DEFAULT_NUMERICS) -> int:
+                        numerics: Numerics = DEFAULT_NUMERICS, weights: str = "fp8") -> int:
     """Largest stage count whose `smem_bytes` fits in `smem_limit`.
 
     Raises ValueError when fewer than MIN_STAGES fit: with one stage the TMA producer
@@ -159,8 +176,10 @@ def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = 
     """
     _check_tier(block_m)
     _check_local_experts(num_local_experts)
-    without_stages = _smem_plan(block_m, 0, num_local_experts, numerics)
+    without_stages = _smem_plan(block_m, 0, num_local_experts, numerics, weights)
     stages = (smem_limit - without_stages["bytes"] - abi.kSmemAlignSlack) // without_stages["stage"]
+    if weights == "mxfp4":
+        stages -= stages % 2  # two FP8 tiles alternate by stage parity (csrc/megamoe/mma.cuh mma_tile_swap)
     if stages < MIN_STAGES:
         raise ValueError(
             f"only {max(stages, 0)} pipeline stage(s) of block_m={block_m} fit in {smem_limit} bytes of shared "
@@ -170,7 +189,8 @@ def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = 
 
 
 def default_num_stages(block_m: int, num_local_experts: int, hidden: int, intermediate_size: int,
-                       smem_limit: int = SMEM_LIMIT, numerics: Numerics = DEFAULT_NUMERICS) -> int:
+                       smem_limit: int = SMEM_LIMIT, numerics: Numerics = DEFAULT_NUMERICS,
+                       weights: str = "fp8") -> int:
     """Pipeline depth: as many stages as fit, at most MAX_STAGES, at most the k-blocks
     of the shorter GEMM (min(hidden, intermediate_size) / BLOCK_K), never below MIN_STAGES.
 
@@ -179,6 +199,11 @@ def default_num_stages(block_m: int, num_local_experts: int, hidden: int, interm
     that tile's loads, and past MAX_STAGES the latency is already covered.
     """
     useful = max(MIN_STAGES, min(hidden, intermediate_size) // BLOCK_K)
+    if weights == "mxfp4":
+        # A stage carries half the weight bytes: twice the stages keep as many bytes in flight.
+        stages = min(max_pipeline_stages(block_m, num_local_experts, smem_limit, numerics, weights), 2 * MAX_STAGES,
+                     useful)
+        return stages - stages % 2
     return min(max_pipeline_stages(block_m, num_local_experts, smem_limit, numerics), MAX_STAGES, useful)
 
 

@@ -8,7 +8,7 @@ import dataclasses
 
 from . import abi
 from .buffer import window_loop
-from .heuristics import DEFAULT_NUMERICS, Numerics, TIER_OF, implemented_block_m
+from .heuristics import DEFAULT_NUMERICS, Numerics, TIER_OF, check_weight_format, implemented_block_m
 
 KERNEL_NAME = "megamoe_fused_kernel"
 # Windowed variants' second entry (csrc/megamoe/kernel.cuh mega_moe_windows), launched after the first.
@@ -34,6 +34,9 @@ class KernelVariant:
     # The buffer's pools hold fewer rows than the worst routing needs (buffer.BufferShape.windowed):
     # a call whose rows do not fit runs the rest in the window kernel (WINDOW_KERNEL_NAME).
     windowed: bool = False
+    # The experts' weight format (weights.weight_format): "fp8" 128x128 block-scaled, or "mxfp4" (packed
+    # E2M1 codes with E8M0 scales per 32, read at 4 bits; csrc/megamoe/fp4_weights.cuh).
+    weights: str = "fp8"
 
     def __post_init__(self):
         if self.block_m not in implemented_block_m(self.numerics):
@@ -41,12 +44,21 @@ class KernelVariant:
                              f"(tiers {implemented_block_m(self.numerics)})")
         if TIER_OF[self.block_m].rebalanced and not self.fast_math:
             raise ValueError(f"block_m={self.block_m} needs fast_math=True (heuristics.Tier.rebalanced)")
+        check_weight_format(self.weights)
+        if self.weights == "mxfp4":
+            if self.block_m not in implemented_block_m(self.numerics, self.weights):
+                raise ValueError(f"MXFP4 weights run block_m {implemented_block_m(self.numerics, self.weights)} in "
+                                 f"{self.numerics!r} numerics so far, not {self.block_m}")
+            if self.num_stages % 2:
+                raise ValueError(f"MXFP4 weights need an even num_stages (two FP8 tiles by stage parity), "
+                                 f"got {self.num_stages}")
 
     def source(self) -> str:
         cpp_bool = {True: "true", False: "false"}
         cfg = (f"megamoe::KernelConfig<{self.hidden}, {self.intermediate_size}, {self.num_topk}, {self.num_experts}, "
                f"{self.num_ranks}, {self.block_m}, {self.num_stages}, {cpp_bool[self.fast_math]}, "
-               f"{cpp_bool[self.numerics == 'exact']}, {cpp_bool[self.windowed]}>")
+               f"{cpp_bool[self.numerics == 'exact']}, {cpp_bool[self.windowed]}, "
+               f"{cpp_bool[self.weights == 'mxfp4']}>")
         return (
             ("#define MEGAMOE_TIMELINE 1\n" if self.timeline else "")
             + '#include "megamoe/kernel.cuh"\n'
@@ -63,4 +75,5 @@ class KernelVariant:
     def name(self) -> str:
         return (f"h{self.hidden}_i{self.intermediate_size}_k{self.num_topk}_e{self.num_experts}_r{self.num_ranks}"
                 f"_bm{self.block_m}_st{self.num_stages}_fm{int(self.fast_math)}_{self.numerics}"
-                + ("_win" if self.windowed else "") + ("_timeline" if self.timeline else ""))
+                + ("_win" if self.windowed else "") + ("_w4" if self.weights == "mxfp4" else "")
+                + ("_timeline" if self.timeline else ""))

@@ -30,6 +30,7 @@ from .jit.command import build_command
 from .progress import progress_bar
 from . import settings, timeline
 from .variants import variant_for
+from .weights import weight_format
 # The op layer's public surface beside its own functions (README: mm.ops.synchronize()).
 from .reports import synchronize  # noqa: F401
 from .validation import resolve_numerics  # noqa: F401
@@ -37,24 +38,25 @@ from .validation import resolve_numerics  # noqa: F401
 WeightPair = Tuple[torch.Tensor, torch.Tensor]
 
 
-def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool, numerics: Numerics = DEFAULT_NUMERICS
-                   ) -> KernelVariant:
-    """The kernel variant a call with `num_tokens` (per rank) runs: the shipped table, else the
-    heuristic; MEGAMOE_BLOCK_M and MEGAMOE_NUM_STAGES force the tier and the depth. Memoized,
-    as it runs on every call; the environment variables it reads are part of the key."""
+def select_variant(buf: SymmBuffer, num_tokens: int, fast_math: bool, numerics: Numerics = DEFAULT_NUMERICS,
+                   weights: str = "fp8") -> KernelVariant:
+    """The kernel variant a call with `num_tokens` (per rank) runs on expert weights of format
+    `weights` (weights.weight_format): the shipped table, else the heuristic; MEGAMOE_BLOCK_M and
+    MEGAMOE_NUM_STAGES force the tier and the depth. Memoized, as it runs on every call; the
+    environment variables it reads are part of the key."""
     device_name, grid_size = _device_name(buf.device), _grid_size(buf)
     forced_block_m, forced_num_stages = settings.forced_block_m(), settings.forced_num_stages()
     key = (buf.shape, device_name, grid_size, num_tokens, fast_math, numerics, forced_block_m, forced_num_stages,
-           settings.configs_dir())
+           settings.configs_dir(), weights)
     variant = _variants.get(key)
     if variant is None:
         variant = _variants[key] = variant_for(buf.shape, device_name, grid_size, num_tokens, fast_math, numerics,
-                                               forced_block_m, forced_num_stages)
+                                               forced_block_m, forced_num_stages, weights)
     return variant
 
 
 # (buffer shape, device name, grid size, tokens, fast_math, numerics, MEGAMOE_BLOCK_M, MEGAMOE_NUM_STAGES,
-#  MEGAMOE_CONFIGS_DIR) -> variant.
+#  MEGAMOE_CONFIGS_DIR, weight format) -> variant.
 _variants: Dict[Tuple, KernelVariant] = {}
 
 
@@ -168,7 +170,7 @@ def _params_handle(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, block_m: int
             handle = native.runtime().make_params(
                 list(buf.peer_ptrs), buf.rank, buf.layout.offsets(), s.pool_capacity, s.hidden, s.intermediate_size,
                 s.num_local_experts, block_m, l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(),
-                l2[1].data_ptr(), settings.timeout_s())
+                l2[1].data_ptr(), settings.timeout_s(), weight_format(l1[0]) == "mxfp4")
         params[key] = handle
     return handle
 
@@ -244,7 +246,7 @@ def _load_for_calls(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_
     num_tokens_list = [int(n) for n in num_tokens_list]
     variants = []
     for n in num_tokens_list:
-        v = select_variant(buf, n, fast_math, numerics)
+        v = select_variant(buf, n, fast_math, numerics, weight_format(l1[0]))
         if v not in variants:
             variants.append(v)
     _raise_if_not_buildable(buf, [v for v in variants if (buf.device.index, v) not in _kernels], num_tokens_list,
@@ -330,7 +332,7 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     validation.require_sm90(buf.device)
     num_tokens = y.shape[0]
     variant = select_variant(buf, num_tokens if config_num_tokens is None else config_num_tokens, fast_math,
-                             numerics)
+                             numerics, weight_format(l1[0]))
     if _timeline is not None:
         variant = dataclasses.replace(variant, timeline=True)
     kernel = _kernel_handle(buf.device, variant)

@@ -11,7 +11,7 @@ import torch
 from . import settings
 from .buffer import check_open_buffer
 from .heuristics import Numerics
-from .weights import unpack_pair
+from .weights import kernel_layout_shapes, unpack_pair, weight_format
 
 
 def require_sm90(device: torch.device) -> None:
@@ -70,10 +70,12 @@ def validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_
     if shared and isinstance(w13, torch.Tensor) and w13.dim() == 3 and w13.shape[0] == el - shared:
         raise ValueError(f"l1 holds {el - shared} experts, the routed ones only: the buffer has {shared} shared "
                          "expert(s), which the weights hold after the routed ones (transform_weights(..., shared=...))")
-    check_tensor(w13, "l1 weight (w13)", torch.float8_e4m3fn, (el, 2 * i, h), dev)
-    check_tensor(w13_scale, "l1 scale (w13_scale, transformed layout)", torch.float32, (el, i // 128, 2, h // 128), dev)
-    check_tensor(w2, "l2 weight (w2)", torch.float8_e4m3fn, (el, h, i), dev)
-    check_tensor(w2_scale, "l2 scale (w2_scale)", torch.float32, (el, h // 128, i // 128), dev)
+    # FP8, or MXFP4 (uint8 codes) read at 4 bits: the layouts transform_weights makes.
+    layout = kernel_layout_shapes(weight_format(w13), el, h, i)
+    for key, tensor, what in (("w13", w13, "l1 weight (w13)"), ("w13_scale", w13_scale, "l1 scale (w13_scale, transformed layout)"),
+                              ("w2", w2, "l2 weight (w2)"), ("w2_scale", w2_scale, "l2 scale (w2_scale)")):
+        shape, dtype, _ = layout[key]
+        check_tensor(tensor, what, dtype, shape, dev)
     if activation_clamp is not None:
         if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float)):
             raise TypeError(f"activation_clamp must be a float or None, got {type(activation_clamp).__name__}")

@@ -10,7 +10,8 @@ or MXFP4 (section 2, "FP4 experts"; megamoe_plugin.mxfp4), the rows the same:
     w13_scale E8M0  [E_l, 2I, H/32]  torch.float8_e8m0fnu, or uint8 holding its bits
     w2        uint8 [E_l, H, I/2]
     w2_scale  E8M0  [E_l, H, I/32]
-The reference takes both; the kernel, and so `transform_weights`, FP8 only so far.
+The reference and `transform_weights` take both; the kernel reads MXFP4 weights at 4 bits in the
+swap-AB tiers of fast numerics so far (csrc/megamoe/fp4_weights.cuh).
 
 Kernel layout produced by `transform_weights` (a pure permutation, bit-exact):
     w13_t       [E_l, 2I, H]: gate and up rows interleaved in runs of 8. For j < I/8,
@@ -19,6 +20,14 @@ Kernel layout produced by `transform_weights` (a pure permutation, bit-exact):
     w13_scale_t [E_l, I/128, 2, H/128]: [e, g, 0, kb] is the scale of gate block g,
                 [e, g, 1, kb] the scale of up block g (checkpoint block I/128 + g).
     w2_t, w2_scale_t: the checkpoint tensors, made contiguous.
+MXFP4 (`kernel_layout_shapes` gives every shape):
+    w13_t       uint8 [E_l, 2I, H/2]: the packed rows, interleaved as above.
+    w13_scale_t uint8 [E_l, H/128, 2I, 4]: per k-block of 128 inputs, each (interleaved) row's 4 E8M0
+                codes, so that one k-block of a 256-row tile is 1 KB in one piece (one bulk copy,
+                csrc/megamoe/pipeline.cuh load_b).
+    w2_t        uint8 [E_l, H, I/2]: the checkpoint tensor.
+    w2_scale_t  uint8 [E_l, I/128, H padded to a multiple of 256, 4]: the same per k-block layout,
+                the padding rows zero (a tile past H reads them and drops its outputs).
 
 Why this layout:
 - The L1 epilogue computes silu(gate) * up per output column (a w13 row is an L1
@@ -55,6 +64,41 @@ def weight_format(w: torch.Tensor) -> str:
     return "mxfp4" if isinstance(w, torch.Tensor) and w.dtype == torch.uint8 else "fp8"
 
 
+def kernel_layout_shapes(weights: str, num_local_experts: int, hidden: int, intermediate: int) -> dict:
+    """{name: (shape, dtype, layout text)} of the four tensors `transform_weights` makes for weights of
+    format `weights` ("fp8" or "mxfp4"), for the call's validation."""
+    el, h, i = num_local_experts, hidden, intermediate
+    if weights == "mxfp4":
+        per_row = BLOCK // mxfp4.MXFP4_GROUP
+        padded_h = -(-h // 256) * 256
+        return {"w13": ((el, 2 * i, h // 2), torch.uint8, "[E_local, 2I, H/2]"),
+                "w13_scale": ((el, h // BLOCK, 2 * i, per_row), torch.uint8, f"[E_local, H/128, 2I, {per_row}]"),
+                "w2": ((el, h, i // 2), torch.uint8, "[E_local, H, I/2]"),
+                "w2_scale": ((el, i // BLOCK, padded_h, per_row), torch.uint8,
+                             f"[E_local, I/128, H padded to 256, {per_row}]")}
+    return {"w13": ((el, 2 * i, h), FP8_DTYPE, "[E_local, 2I, H]"),
+            "w13_scale": ((el, i // BLOCK, 2, h // BLOCK), torch.float32, "[E_local, I/128, 2, H/128]"),
+            "w2": ((el, h, i), FP8_DTYPE, "[E_local, H, I]"),
+            "w2_scale": ((el, h // BLOCK, i // BLOCK), torch.float32, "[E_local, H/128, I/128]")}
+
+
+def _mxfp4_scales_by_k_block(scale: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    """E8M0 codes [E, N, K/32] -> [E, K/128, N padded to padded_rows, 4] (zero padding rows)."""
+    codes = mxfp4.scale_bits(scale)
+    e, n, groups = codes.shape
+    per_row = BLOCK // mxfp4.MXFP4_GROUP
+    by_block = codes.reshape(e, n, groups // per_row, per_row).transpose(1, 2)
+    out = torch.zeros((e, groups // per_row, padded_rows, per_row), dtype=torch.uint8, device=codes.device)
+    out[:, :, :n] = by_block
+    return out
+
+
+def _mxfp4_scales_by_row(scale_t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Inverse of _mxfp4_scales_by_k_block: [E, K/128, padded, 4] -> [E, rows, K/32]."""
+    e, blocks, _, per_row = scale_t.shape
+    return scale_t[:, :, :rows].transpose(1, 2).reshape(e, rows, blocks * per_row).contiguous()
+
+
 def dequantize_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """One expert's checkpoint-layout weight [N, K] (FP8 with 128x128 block scales, or MXFP4 with
     its packed [N, K/2] codes) as float32 [N, K], exactly."""
@@ -81,9 +125,6 @@ def _validate(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_s
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{names[key]} must be a torch.Tensor, got {type(tensor).__name__}")
     packed = weight_format(w13) == "mxfp4"
-    if packed and transformed:
-        raise ValueError(f"{names['w13']} is MXFP4 (uint8 codes): the kernel takes FP8 expert weights "
-                         f"({FP8_DTYPE} with 128x128 float32 block scales) only so far")
     for key in ("w13", "w2"):
         if tensors[key].dtype != (torch.uint8 if packed else FP8_DTYPE):
             raise ValueError(f"{names[key]} must be {torch.uint8 if packed else FP8_DTYPE}, got {tensors[key].dtype}"
@@ -124,6 +165,13 @@ def _validate(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_s
         raise ValueError(f"{names['w2']} must have shape {w2_layout} = {w2_shape} "
                          f"to match {names['w13']} of shape {tuple(w13.shape)}, got {tuple(w2.shape)}")
 
+    if packed and transformed:
+        shapes = kernel_layout_shapes("mxfp4", num_local_experts, hidden, intermediate)
+        for key in ("w13_scale", "w2_scale"):
+            if tuple(tensors[key].shape) != shapes[key][0]:
+                raise ValueError(f"{names[key]} must have the kernel layout {shapes[key][2]} = {shapes[key][0]} "
+                                 f"(transform_weights), got {tuple(tensors[key].shape)}")
+        return num_local_experts, hidden, intermediate
     if packed:
         group = mxfp4.MXFP4_GROUP
         expected_scales = {
@@ -176,9 +224,7 @@ def transform_weights(l1: WeightPair, l2: WeightPair,
     w13, w13_scale = unpack_pair(l1, "l1")
     w2, w2_scale = unpack_pair(l2, "l2")
     num_local_experts, hidden, intermediate = _validate(w13, w13_scale, w2, w2_scale, transformed=False)
-    if weight_format(w13) == "mxfp4":
-        raise ValueError("l1 holds MXFP4 weights (uint8 codes): the kernel takes FP8 expert weights only so far, "
-                         "so transform_weights has no kernel layout for them")
+    packed = weight_format(w13) == "mxfp4"
     if shared is not None:
         missing = [key for key in ("w13", "w13_scale", "w2", "w2_scale") if not isinstance(shared, Mapping)
                    or key not in shared]
@@ -189,15 +235,25 @@ def transform_weights(l1: WeightPair, l2: WeightPair,
         if (shared_hidden, shared_intermediate) != (hidden, intermediate):
             raise ValueError(f"shared experts have H={shared_hidden}, I={shared_intermediate}; the kernel runs them as "
                              f"local experts, so they need the routed experts' H={hidden}, I={intermediate}")
-        if weight_format(shared["w13"]) != "fp8" or shared["w13"].device != w13.device:
-            raise ValueError(f"shared experts must be FP8 weights on {w13.device}, as the routed ones")
+        if weight_format(shared["w13"]) != weight_format(w13) or shared["w13"].device != w13.device:
+            raise ValueError(f"shared experts must be {weight_format(w13).upper()} weights on {w13.device}, "
+                             "as the routed ones")
         w13, w13_scale, w2, w2_scale = (torch.cat([routed, shared[key]]) for routed, key in (
             (w13, "w13"), (w13_scale, "w13_scale"), (w2, "w2"), (w2_scale, "w2_scale")))
         num_local_experts += num_shared
     runs = intermediate // GATE_UP_INTERLEAVE
-    # [E, (gate|up), run, 8, H] -> [E, run, (gate|up), 8, H]
-    w13_t = (w13.reshape(num_local_experts, 2, runs, GATE_UP_INTERLEAVE, hidden)
-             .transpose(1, 2).reshape(num_local_experts, 2 * intermediate, hidden).contiguous())
+
+    def interleave(rows: torch.Tensor) -> torch.Tensor:  # [E, (gate|up), run, 8, C] -> [E, run, (gate|up), 8, C]
+        columns = rows.shape[-1]
+        return (rows.reshape(num_local_experts, 2, runs, GATE_UP_INTERLEAVE, columns)
+                .transpose(1, 2).reshape(num_local_experts, 2 * intermediate, columns).contiguous())
+
+    if packed:
+        w13_scale_t = _mxfp4_scales_by_k_block(interleave(mxfp4.scale_bits(w13_scale)), 2 * intermediate)
+        w2_scale_t = _mxfp4_scales_by_k_block(w2_scale, kernel_layout_shapes("mxfp4", 1, hidden, intermediate)
+                                              ["w2_scale"][0][2])
+        return (interleave(w13), w13_scale_t), (w2.contiguous(), w2_scale_t)
+    w13_t = interleave(w13)
     # [E, (gate|up), I/128, H/128] -> [E, I/128, (gate|up), H/128]
     w13_scale_t = (w13_scale.reshape(num_local_experts, 2, intermediate // BLOCK, hidden // BLOCK)
                    .transpose(1, 2).contiguous())
@@ -210,8 +266,16 @@ def untransform_weights(l1: WeightPair, l2: WeightPair) -> Tuple[WeightPair, Wei
     w2, w2_scale = unpack_pair(l2, "l2")
     num_local_experts, hidden, intermediate = _validate(w13_t, w13_scale_t, w2, w2_scale, transformed=True)
     runs = intermediate // GATE_UP_INTERLEAVE
-    w13 = (w13_t.reshape(num_local_experts, runs, 2, GATE_UP_INTERLEAVE, hidden)
-           .transpose(1, 2).reshape(num_local_experts, 2 * intermediate, hidden).contiguous())
+
+    def deinterleave(rows: torch.Tensor) -> torch.Tensor:  # transform_weights' interleave, undone
+        columns = rows.shape[-1]
+        return (rows.reshape(num_local_experts, runs, 2, GATE_UP_INTERLEAVE, columns)
+                .transpose(1, 2).reshape(num_local_experts, 2 * intermediate, columns).contiguous())
+
+    if weight_format(w13_t) == "mxfp4":
+        w13_scale = deinterleave(_mxfp4_scales_by_row(w13_scale_t, 2 * intermediate))
+        return (deinterleave(w13_t), w13_scale), (w2.contiguous(), _mxfp4_scales_by_row(w2_scale, hidden))
+    w13 = deinterleave(w13_t)
     w13_scale = (w13_scale_t.transpose(1, 2)
                  .reshape(num_local_experts, 2 * intermediate // BLOCK, hidden // BLOCK).contiguous())
     return (w13, w13_scale), (w2.contiguous(), w2_scale.contiguous())

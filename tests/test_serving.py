@@ -48,10 +48,11 @@ class FakeRuntime:
         return len(self.kernels) - 1
 
     def make_params(self, peer_ptrs, rank, offsets, pool_capacity, hidden, intermediate_size, num_local_experts,
-                    block_m, w13, w13_scale, w2, w2_scale, timeout_s):
+                    block_m, w13, w13_scale, w2, w2_scale, timeout_s, mxfp4_weights=False):
         handle = len(self.params) + len(self.freed)
         self.events.append(("params", handle))
-        self.params[handle] = dict(peer_ptrs=tuple(peer_ptrs), rank=rank, block_m=block_m, w13=w13)
+        self.params[handle] = dict(peer_ptrs=tuple(peer_ptrs), rank=rank, block_m=block_m, w13=w13,
+                                   mxfp4_weights=mxfp4_weights)
         return handle
 
     def free_params(self, handle):

@@ -61,6 +61,8 @@ std::map<std::string, int64_t> constants() {
   MEGAMOE_EXPORT(kTimelineWords)
   MEGAMOE_EXPORT(kSmemLimit)
   MEGAMOE_EXPORT(kSmemAlignSlack)
+  MEGAMOE_EXPORT(kFp4GroupSize)
+  MEGAMOE_EXPORT(kFp4ScaleBytesPerRow)
 #undef MEGAMOE_EXPORT
   return c;
 }
@@ -74,10 +76,11 @@ std::vector<std::string> buffer_regions() {
   return names;
 }
 
-std::map<std::string, int> smem_plan(int block_m, int num_stages, int num_local_experts, bool exact) {
-  const megamoe::SmemPlan s = megamoe::smem_plan(block_m, num_stages, num_local_experts, exact);
+std::map<std::string, int> smem_plan(int block_m, int num_stages, int num_local_experts, bool exact, bool fp4) {
+  const megamoe::SmemPlan s = megamoe::smem_plan(block_m, num_stages, num_local_experts, exact, fp4);
   return {{"amax_exchange", s.amax_exchange}, {"tables", s.tables}, {"quad_lines", s.quad_lines},
-          {"l1_token_scales", s.l1_token_scales}, {"l1_tokens", s.l1_tokens}, {"stages", s.stages},
+          {"l1_token_scales", s.l1_token_scales}, {"l1_tokens", s.l1_tokens},
+          {"fp4_row_scales", s.fp4_row_scales}, {"fp4_tiles", s.fp4_tiles}, {"stages", s.stages},
           {"stage", s.stage}, {"bytes", s.bytes}};
 }
 
@@ -88,5 +91,5 @@ PYBIND11_MODULE(_abi, m) {
   m.def("constants", &constants);
   m.def("buffer_regions", &buffer_regions);
   m.def("smem_plan", &smem_plan, py::arg("block_m"), py::arg("num_stages"), py::arg("num_local_experts"),
-        py::arg("exact"));
+        py::arg("exact"), py::arg("fp4") = false);
 }

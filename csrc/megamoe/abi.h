@@ -122,10 +122,23 @@ constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
 // both numerics modes: loaded by the producer with the tile (pipeline.cuh load_a), read by LDS after the
 // full barrier instead of from L2 in the k-block's critical path. BLOCK_M + 4 floats: the bulk copy
 // starts at the tile's first row rounded down to 16 bytes.
+// MXFP4 weights (fp4 below; fp4_weights.cuh): the B tile holds the packed E2M1 codes (kBlockN x
+// kBlockK / 2 bytes, 64B swizzle) and, after the token scales, the rows' E8M0 scales of the k-block
+// (kBlockN x 4 bytes); the math warpgroups convert it into an FP8 tile outside the ring (SmemPlan
+// fp4_tiles), so a stage carries half the weight bytes and twice the stages fit.
+constexpr int kFp4GroupSize = 32;  // input elements per E8M0 scale
+constexpr int kFp4ScaleBytesPerRow = kBlockK / kFp4GroupSize;  // a weight row's scales of one k-block
 constexpr int stage_scale_floats(int block_m) { return block_m + 4; }
-constexpr int stage_bytes(int block_m) {
-  return align_up(block_m * kBlockK + kBlockN * kBlockK + 4 * stage_scale_floats(block_m), 1024);
+constexpr int stage_b_bytes(bool fp4) { return fp4 ? kBlockN * kBlockK / 2 : kBlockN * kBlockK; }
+constexpr int stage_weight_scale_bytes(bool fp4) { return fp4 ? kBlockN * kFp4ScaleBytesPerRow : 0; }
+constexpr int stage_bytes(int block_m, bool fp4) {
+  return align_up(block_m * kBlockK + stage_b_bytes(fp4) + 4 * stage_scale_floats(block_m) +
+                      stage_weight_scale_bytes(fp4), 1024);
 }
+// MXFP4 weights: the converted FP8 tiles (kBlockN x kBlockK, 128B swizzle) and their rows' scales
+// (float), one per k-block parity.
+constexpr int fp4_tile_bytes(bool fp4) { return fp4 ? kBlockN * kBlockK : 0; }
+constexpr int fp4_row_scale_bytes(bool fp4) { return fp4 ? kBlockN * 4 : 0; }
 // The BLOCK_M 64 / 128 epilogues' quad exchange in fast numerics (epilogue.cuh QuadLines): per math
 // warp, one 64-byte line for each of its 8 fragment rows. The swap-AB tiers (below 64) have none, and
 // exact numerics' L2 at BLOCK_M 64 exchanges in registers (quad_transpose): with the lines every exact
@@ -135,20 +148,22 @@ constexpr int quad_line_bytes(int block_m, bool exact) { return (block_m < 64 ||
 constexpr int l1_token_bytes(int block_m, bool exact) { return exact ? block_m * kBlockK * 2 : 0; }
 
 struct SmemPlan {
-  int amax_exchange, tables, quad_lines, l1_token_scales, l1_tokens, stages;
+  int amax_exchange, tables, quad_lines, l1_token_scales, l1_tokens, fp4_row_scales, fp4_tiles, stages;
   int stage;  // bytes of one pipeline stage
   int bytes;  // sizeof(SharedStorage), without kSmemAlignSlack
 };
 
-constexpr SmemPlan smem_plan(int block_m, int num_stages, int num_local_experts, bool exact) {
+constexpr SmemPlan smem_plan(int block_m, int num_stages, int num_local_experts, bool exact, bool fp4) {
   SmemPlan s{};
   s.amax_exchange = kSmemHeaderBytes;
   s.tables = s.amax_exchange + 2 * kAmaxSlots * block_m * 4;         // float [2][kAmaxSlots][BLOCK_M]
   s.quad_lines = align_up(s.tables + (3 * num_local_experts + 1) * 4, 16);  // int [3 E_l + 1]
   s.l1_token_scales = s.quad_lines + quad_line_bytes(block_m, exact);
   s.l1_tokens = align_up(s.l1_token_scales + (exact ? 2 * block_m * 4 : 0), 1024);  // float [2][BLOCK_M]
-  s.stages = s.l1_tokens + 2 * l1_token_bytes(block_m, exact);
-  s.stage = stage_bytes(block_m);
+  s.fp4_row_scales = s.l1_tokens + 2 * l1_token_bytes(block_m, exact);  // float [2][kBlockN]
+  s.fp4_tiles = align_up(s.fp4_row_scales + 2 * fp4_row_scale_bytes(fp4), 1024);
+  s.stages = s.fp4_tiles + 2 * fp4_tile_bytes(fp4);
+  s.stage = stage_bytes(block_m, fp4);
   s.bytes = s.stages + num_stages * s.stage;
   return s;
 }

@@ -8,7 +8,7 @@
 namespace megamoe {
 
 template <int kHidden_, int kInter_, int kTopk_, int kNumExperts_, int kNumRanks_, int kBlockM_, int kNumStages_,
-          bool kFastMath_, bool kExactL1_, bool kWindowed_ = false>
+          bool kFastMath_, bool kExactL1_, bool kWindowed_ = false, bool kFp4Weights_ = false>
 struct KernelConfig {
   static constexpr int kHidden = kHidden_;
   static constexpr int kInter = kInter_;
@@ -28,6 +28,11 @@ struct KernelConfig {
   // consecutive m-blocks, the first in the fused kernel, the rest in the window kernel that the
   // host launches after it (kernel.cuh mega_moe_windows). Unwindowed variants compile none of it.
   static constexpr bool kWindowed = kWindowed_;
+  // MXFP4 expert weights (docs/design.md section 2, "FP4 experts"; fp4_weights.cuh): the stages carry
+  // the packed E2M1 codes and their E8M0 scales, half the bytes of FP8 weights, and each math
+  // warpgroup converts its 128 rows of a k-block into an FP8 tile before its WGMMAs. So far in the
+  // swap-AB tiers of fast numerics, where a warpgroup's WGMMAs read only the rows it converted.
+  static constexpr bool kFp4Weights = kFp4Weights_;
 
   // A GEMM tile is BLOCK_M pool rows x 256 weight rows x 128 (K). Exact L1 is always swap-AB on
   // FP16 tensor cores (weight rows on the WGMMA M side as two m64 sub-tiles per warpgroup,
@@ -106,10 +111,11 @@ struct KernelConfig {
   static constexpr int kQuadLineBytes = quad_line_bytes(kBlockM, kExactL1);
   static constexpr int kL1TokenBytes = l1_token_bytes(kBlockM, kExactL1);
   static constexpr int kStageA = kBlockM * kBlockK;
-  static constexpr int kStageB = kBlockN * kBlockK;
+  static constexpr int kStageB = stage_b_bytes(kFp4Weights);
   static constexpr int kStageScaleFloats = stage_scale_floats(kBlockM);
   static constexpr int kStageScaleBytes = 4 * kStageScaleFloats;
-  static constexpr int kStageBytes = stage_bytes(kBlockM);
+  static constexpr int kStageWeightScaleBytes = stage_weight_scale_bytes(kFp4Weights);
+  static constexpr int kStageBytes = stage_bytes(kBlockM, kFp4Weights);
   // Dispatch-phase scratch aliases the stage area: first the per-CTA expert histogram
   // and the send-side prefix over all experts, then per (local expert, source rank)
   // counts and offsets; each plus 32 ints of scan scratch.
@@ -127,6 +133,7 @@ struct KernelConfig {
                 "a rebalanced tier's GEMM waits must all unwind (pipeline.cuh gemm_wait): only mma_tile's do");
   static_assert(kNumExperts % kNumRanks == 0, "E must be a multiple of R");
   static_assert(kNumStages >= 2, "need at least two pipeline stages");
+  static_assert(!kFp4Weights || (kFp8SwapAB && !kExactL1), "MXFP4 weights: the swap-AB tiers of fast numerics so far");
 };
 
 }  // namespace megamoe

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "config.cuh"
+#include "fp4_weights.cuh"
 #include "params.h"
 #include "pipeline.cuh"
 #include "scheduler.cuh"
@@ -237,19 +238,43 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
 // side. acc[kSwapSubTiles][BLOCK_M / 2], fragment of sub-tile i: acc[i][4c + {0,1}] =
 // weight row 64i + r0, tokens 8c + 2q + {0,1}; acc[i][4c + {2,3}] = weight row 64i + r0 + 8.
 // Promotion scales: per token (from the stage at sf_skew, like mma_tile) and per weight block
-// (`weight_scales(kb, wg)`: .x for rows r0, .y for rows r0 + 8; L2 passes the same scale in both).
+// (`weight_scales(kb, wg)`: .x for rows r0, .y for rows r0 + 8; L2 passes the same scale in both),
+// or with MXFP4 weights per weight row, from the warpgroup's conversion of the stage (fp4_weights.cuh)
+// into the FP8 tile of the k-block's parity (StageView fp4_tile, fp4_row_scales: the stage's parity, since
+// MXFP4 variants have an even number of stages, so consecutive k-blocks alternate whatever the tile).
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                               uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
                                               int sf_skew, float* acc, WeightScales weight_scales) {
   constexpr int kN = Cfg::kBlockM, kFrag = kN / 2, kChunks = kN / 8;
   using Op = typename SwapWgmma<kN>::Op;
+  static_assert(!Cfg::kFp4Weights || Cfg::kNumStages % 2 == 0, "MXFP4 weights alternate two FP8 tiles by stage parity");
   float part[Cfg::kSwapSubTiles * kFrag];
 #pragma unroll
   for (int i = 0; i < Cfg::kAccFloats; ++i) acc[i] = 0.f;
   for (int kb = 0; kb < kNumKBlocks; ++kb) {
-    const float2 sb = weight_scales(kb, wg);
+    float2 sb[Cfg::kSwapSubTiles];
+    if constexpr (!Cfg::kFp4Weights) {
+      sb[0] = weight_scales(kb, wg);
+#pragma unroll
+      for (int i = 1; i < Cfg::kSwapSubTiles; ++i) sb[i] = sb[0];
+    }
     mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
+    const uint8_t* weights = sv.b(ps.stage);
+    if constexpr (Cfg::kFp4Weights) {
+      uint8_t* tile = sv.fp4_tile(ps.stage & 1);
+      float* row_scales = sv.fp4_row_scales(ps.stage & 1);
+      const int row = wg * Cfg::kWgN + Role::thread_in_warpgroup();
+      fp4_convert_row(sv.b(ps.stage), sv.b_scale_codes(ps.stage), tile, row_scales, row);
+      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // the tile's stores -> WGMMA reads
+      named_barrier_sync(kFp4ConvertBarrierId + wg, Cfg::kWgN);
+#pragma unroll
+      for (int i = 0; i < Cfg::kSwapSubTiles; ++i) {
+        const float* rs = row_scales + wg * Cfg::kWgN + 64 * i + fc.r0;
+        sb[i] = make_float2(rs[0], rs[8]);
+      }
+      weights = tile;
+    }
     const float* stage_sa = sv.a_scales(ps.stage) + sf_skew;
     float sa[kChunks][2];
     for_each_fragment_col<kChunks>([&](int c, int j) { sa[c][j] = stage_sa[fc.col(c, j)]; });
@@ -257,7 +282,7 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
     uint64_t desc_w[Cfg::kSwapSubTiles];
 #pragma unroll
     for (int i = 0; i < Cfg::kSwapSubTiles; ++i)
-      desc_w[i] = make_smem_desc(sv.b(ps.stage) + (wg * Cfg::kWgN + 64 * i) * Cfg::kBlockK);
+      desc_w[i] = make_smem_desc(weights + (wg * Cfg::kWgN + 64 * i) * Cfg::kBlockK);
     fence_operands<Cfg::kSwapSubTiles * kFrag>(part);
     cute::warpgroup_arrive();
 #pragma unroll
@@ -274,8 +299,8 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
 #pragma unroll
     for (int i = 0; i < Cfg::kSwapSubTiles; ++i)
       for_each_fragment_col<kChunks>([&](int c, int j) {
-        acc[i * kFrag + 4 * c + j] += part[i * kFrag + 4 * c + j] * (sa[c][j] * sb.x);
-        acc[i * kFrag + 4 * c + 2 + j] += part[i * kFrag + 4 * c + 2 + j] * (sa[c][j] * sb.y);
+        acc[i * kFrag + 4 * c + j] += part[i * kFrag + 4 * c + j] * (sa[c][j] * sb[i].x);
+        acc[i * kFrag + 4 * c + 2 + j] += part[i * kFrag + 4 * c + 2 + j] * (sa[c][j] * sb[i].y);
       });
     ps.advance<Cfg::kNumStages>();
   }

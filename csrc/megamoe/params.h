@@ -34,9 +34,9 @@ struct HostWords {
 // (KernelParams::tmaps points at them).
 enum TensorMapIndex : int {
   kTmapPoolX = 0,  // [P, H] fp8, box {128, BLOCK_M}, 128B swizzle
-  kTmapW13 = 1,    // [E_l * 2I, H] fp8, box {128, 256}, 128B swizzle
+  kTmapW13 = 1,    // [E_l * 2I, H] fp8, box {128, 256}, 128B swizzle (MXFP4: [E_l * 2I, H / 2] uint8, box {64, 256}, 64B swizzle)
   kTmapAct = 2,    // [P, I] fp8, box {128, BLOCK_M}, 128B swizzle
-  kTmapW2 = 3,     // [E_l * H, I] fp8, box {128, 256}, 128B swizzle
+  kTmapW2 = 3,     // [E_l * H, I] fp8, box {128, 256}, 128B swizzle (MXFP4: [E_l * H, I / 2] uint8, box {64, 256}, 64B swizzle)
   kNumTmaps = 4,
 };
 
@@ -51,6 +51,8 @@ struct KernelParams {
   int* l1_done;
   // This rank's signals[kSigL2TilesClaimed], in a slot of its own for the producer's few registers (Cfg::kProducerRegisters).
   uint32_t* l2_tiles_claimed;
+  // FP8 weights: float block scales; MXFP4 weights: E8M0 codes [E_l, k-blocks, rows padded to 256, 4]
+  // (weights.py; pipeline.cuh load_b reads them as bytes).
   const float* w13_scale;  // [E_l, I/128, 2, H/128]  (transformed: gate, up per 128 outputs)
   const float* w2_scale;   // [E_l, H/128, I/128]
 

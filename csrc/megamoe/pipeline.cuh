@@ -26,6 +26,21 @@ struct StageView {
   __device__ uint8_t* b(int s) const { return a(s) + Cfg::kStageA; }
   // The A rows' token scales of stage s (Cfg::kStageScaleFloats).
   __device__ float* a_scales(int s) const { return reinterpret_cast<float*>(b(s) + Cfg::kStageB); }
+  // MXFP4 weights: the B rows' E8M0 scales of stage s (one 32-bit word of 4 per row).
+  __device__ uint32_t* b_scale_codes(int s) const {
+    return reinterpret_cast<uint32_t*>(b(s) + Cfg::kStageB + Cfg::kStageScaleBytes);
+  }
+  // MXFP4 weights: the FP8 tile of k-block parity `parity` and its rows' scales (SharedStorage
+  // fp4_tiles, fp4_row_scales), at constant offsets from the stages (no further pointer kept live).
+  __device__ uint8_t* fp4_tile(int parity) const {
+    return stages + (static_cast<int>(offsetof(SharedStorage<Cfg>, fp4_tiles)) -
+                     static_cast<int>(offsetof(SharedStorage<Cfg>, stages))) + parity * fp4_tile_bytes(true);
+  }
+  __device__ float* fp4_row_scales(int parity) const {
+    return reinterpret_cast<float*>(stages + (static_cast<int>(offsetof(SharedStorage<Cfg>, fp4_row_scales)) -
+                                              static_cast<int>(offsetof(SharedStorage<Cfg>, stages)))) +
+           parity * Cfg::kBlockN;
+  }
 };
 
 __device__ __forceinline__ void tma_load_2d(void* smem, const CUtensorMap* tmap, int x, int y, uint64_t* bar) {
@@ -56,7 +71,7 @@ template <class Cfg>
 __device__ __forceinline__ uint64_t* arm_stage(uint64_t* full, const PipelineState& ps) {
   uint64_t* bar = &full[ps.stage];
   cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared, bar,
-                                       Cfg::kStageA + Cfg::kStageB + Cfg::kStageScaleBytes);
+                                       Cfg::kStageA + Cfg::kStageB + Cfg::kStageScaleBytes + Cfg::kStageWeightScaleBytes);
   return bar;
 }
 
@@ -84,6 +99,28 @@ __device__ __forceinline__ void load_a(const KernelParams& p, const StageView<Cf
   tma_load_2d(sv.a(s), tmap_a, kb * Cfg::kBlockK, row_a, bar);
   cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, sv.a_scales(s),
                            sf_pool + (int64_t)kb * p.pool_capacity + staged_scale_row(row_a), Cfg::kStageScaleBytes, bar);
+}
+
+// Loads k-block kb of a tile's B rows (weight rows row_b, .. + kBlockN of the phase's weights) into
+// stage s. MXFP4 weights: the packed codes by TMA (64 bytes per row and k-block) and the rows' scale
+// codes by a bulk copy from the transformed scales ([E_l][k-block][rows, padded to kBlockN][4],
+// weights.py), which keep a tile's k-block contiguous.
+template <class Cfg, bool kIsL2>
+__device__ __forceinline__ void load_b(const KernelParams& p, const StageView<Cfg>& sv, int s, const CUtensorMap* tmap_b,
+                                       int kb, int expert, int n_block, uint64_t* bar) {
+  constexpr int kRowsPerExpert = kIsL2 ? Cfg::kHidden : 2 * Cfg::kInter;
+  const int row_b = expert * kRowsPerExpert + n_block * Cfg::kBlockN;
+  if constexpr (Cfg::kFp4Weights) {
+    constexpr int kNumKBlocks = kIsL2 ? Cfg::kL2NumKBlocks : Cfg::kL1NumKBlocks;
+    constexpr int kPaddedRows = (kRowsPerExpert + Cfg::kBlockN - 1) / Cfg::kBlockN * Cfg::kBlockN;
+    tma_load_2d(sv.b(s), tmap_b, kb * (Cfg::kBlockK / 2), row_b, bar);
+    const uint8_t* codes = reinterpret_cast<const uint8_t*>(kIsL2 ? p.w2_scale : p.w13_scale) +
+                           (((int64_t)expert * kNumKBlocks + kb) * kPaddedRows + n_block * Cfg::kBlockN) * kFp4ScaleBytesPerRow;
+    cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, sv.b_scale_codes(s), codes,
+                             Cfg::kStageWeightScaleBytes, bar);
+  } else {
+    tma_load_2d(sv.b(s), tmap_b, kb * Cfg::kBlockK, row_b, bar);
+  }
 }
 
 // L2 tiles are claimed, not dealt: the producer takes the next unclaimed one from the call's counter
@@ -177,7 +214,6 @@ template <class Cfg, bool kIsL2>
 __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileScheduler<Cfg>& sched, int first_tile,
                               const StageView<Cfg>& sv, uint64_t* full, uint64_t* empty, PipelineState& ps) {
   constexpr int kNumKBlocks = kIsL2 ? Cfg::kL2NumKBlocks : Cfg::kL1NumKBlocks;
-  constexpr int kRowsPerExpert = kIsL2 ? Cfg::kHidden : 2 * Cfg::kInter;
   constexpr int kPrefetch = kNumKBlocks < Cfg::kNumStages ? kNumKBlocks : Cfg::kNumStages;
   const CUtensorMap* tmap_a = p.tmaps + (kIsL2 ? kTmapAct : kTmapPoolX);
   const CUtensorMap* tmap_b = p.tmaps + (kIsL2 ? kTmapW2 : kTmapW13);
@@ -204,7 +240,6 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
     if (tile >= num_tiles) break;
     const Tile t = sched.decode(tile);
     const int row_a = sched.tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
-    const int row_b = t.expert * kRowsPerExpert + t.n_block * Cfg::kBlockN;
     int kb = 0;
     const int gm = global_m_block<Cfg>(sched.tables, t);
     const bool ready = kIsL2 ? l1_rows_ready<Cfg>(l1_done, gm) : pulled_rows_ready<Cfg>(p, base, sched.tables, t);
@@ -212,7 +247,7 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
       PipelineState ahead = ps;
       for (int i = 0; i < kPrefetch; ++i) {
         if (!gemm_wait<Cfg>(p, &empty[ahead.stage], ahead.phase ^ 1, kErrPipelineEmptyTimeout)) return false;
-        tma_load_2d(sv.b(ahead.stage), tmap_b, i * Cfg::kBlockK, row_b, &full[ahead.stage]);
+        load_b<Cfg, kIsL2>(p, sv, ahead.stage, tmap_b, i, t.expert, t.n_block, &full[ahead.stage]);
         ahead.advance<Cfg::kNumStages>();
       }
       const uint64_t arrival_start = timeline_clock();
@@ -234,7 +269,7 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
         if (bar == nullptr) return false;
       }
       load_a<Cfg>(p, sv, ps.stage, tmap_a, sf_pool, kb, row_a, bar);
-      tma_load_2d(sv.b(ps.stage), tmap_b, kb * Cfg::kBlockK, row_b, bar);
+      load_b<Cfg, kIsL2>(p, sv, ps.stage, tmap_b, kb, t.expert, t.n_block, bar);
       ps.advance<Cfg::kNumStages>();
     }
     tile = kIsL2 ? queue.claim(p, sched.tables) : tile + static_cast<int>(gridDim.x);

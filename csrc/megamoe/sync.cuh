@@ -9,6 +9,7 @@
 //   mbarrier full/empty TMA pipeline, see pipeline.cuh
 //   named barrier 1    the two math warpgroups' epilogue exchange (epilogue.cuh)
 //   named barrier 2    the register hand-over at the start of a rebalanced GEMM phase
+//   named barriers 3-4 math warpgroup 0's / 1's MXFP4 weight conversion (mma.cuh mma_tile_swap)
 //                      (kernel.cuh gemm_roles)
 #pragma once
 
@@ -240,6 +241,8 @@ __device__ __forceinline__ void mbar_wait(const KernelParams& p, uint64_t* bar, 
 __device__ __forceinline__ bool mbar_poll(const KernelParams& p, uint64_t* bar, uint32_t parity, uint32_t code) {
   return __all_sync(__activemask(), poll_bounded(p, code, [&] { return cuda::ptx::mbarrier_try_wait_parity(bar, parity); }));
 }
+
+constexpr int kFp4ConvertBarrierId = 3;  // + the math warpgroup
 
 __device__ __forceinline__ void named_barrier_sync(int id, int num_threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");

@@ -168,7 +168,7 @@ int load_kernel(const std::string& cubin_path, const std::string& name, int smem
 
 // A 2-D tiled TMA descriptor over a row-major [rows, cols] matrix.
 CUtensorMap make_tmap_2d(uint64_t ptr, CUtensorMapDataType dtype, int elem_bytes, uint64_t rows, uint64_t cols,
-                         uint32_t box_cols, uint32_t box_rows, bool swizzle_128b, const char* what) {
+                         uint32_t box_cols, uint32_t box_rows, CUtensorMapSwizzle swizzle, const char* what) {
   CUtensorMap map;
   std::memset(&map, 0, sizeof(map));
   const cuuint64_t dims[2] = {cols, rows};
@@ -176,8 +176,7 @@ CUtensorMap make_tmap_2d(uint64_t ptr, CUtensorMapDataType dtype, int elem_bytes
   const cuuint32_t box[2] = {box_cols, box_rows};
   const cuuint32_t elem_strides[2] = {1, 1};
   check(driver().TensorMapEncodeTiled(&map, dtype, 2, reinterpret_cast<void*>(ptr), dims, strides, box, elem_strides,
-                                      CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                      swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                                      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
         what);
   return map;
@@ -186,7 +185,7 @@ CUtensorMap make_tmap_2d(uint64_t ptr, CUtensorMapDataType dtype, int elem_bytes
 // Builds everything a call needs that does not change per call. Returns a handle.
 int make_params(const std::vector<uint64_t>& peer_ptrs, int rank, const std::map<std::string, int64_t>& offsets,
                 int pool_capacity, int hidden, int inter, int num_local_experts, int block_m, uint64_t w13,
-                uint64_t w13_scale, uint64_t w2, uint64_t w2_scale, double timeout_s) {
+                uint64_t w13_scale, uint64_t w2, uint64_t w2_scale, double timeout_s, bool mxfp4_weights) {
   if (peer_ptrs.empty() || peer_ptrs.size() > megamoe::kMaxRanks)
     throw std::invalid_argument("megamoe: peer_ptrs must hold 1..8 buffer addresses");
   if (rank < 0 || rank >= static_cast<int>(peer_ptrs.size())) throw std::invalid_argument("megamoe: bad rank");
@@ -208,10 +207,17 @@ int make_params(const std::vector<uint64_t>& peer_ptrs, int rank, const std::map
   const uint64_t P = pool_capacity, H = hidden, I = inter, EL = num_local_experts;
   const auto FP8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   CUtensorMap maps[megamoe::kNumTmaps];
-  maps[megamoe::kTmapPoolX] = make_tmap_2d(base + p->off.pool_x, FP8, 1, P, H, 128, block_m, true, "TMA pool_x");
-  maps[megamoe::kTmapW13] = make_tmap_2d(w13, FP8, 1, EL * 2 * I, H, 128, 256, true, "TMA w13");
-  maps[megamoe::kTmapAct] = make_tmap_2d(base + p->off.act, FP8, 1, P, I, 128, block_m, true, "TMA act");
-  maps[megamoe::kTmapW2] = make_tmap_2d(w2, FP8, 1, EL * H, I, 128, 256, true, "TMA w2");
+  const auto SW128 = CU_TENSOR_MAP_SWIZZLE_128B;
+  maps[megamoe::kTmapPoolX] = make_tmap_2d(base + p->off.pool_x, FP8, 1, P, H, 128, block_m, SW128, "TMA pool_x");
+  maps[megamoe::kTmapAct] = make_tmap_2d(base + p->off.act, FP8, 1, P, I, 128, block_m, SW128, "TMA act");
+  if (mxfp4_weights) {  // packed E2M1 codes, two per byte: 64 bytes of a row per k-block (params.h)
+    const auto SW64 = CU_TENSOR_MAP_SWIZZLE_64B;
+    maps[megamoe::kTmapW13] = make_tmap_2d(w13, FP8, 1, EL * 2 * I, H / 2, 64, 256, SW64, "TMA w13 (MXFP4)");
+    maps[megamoe::kTmapW2] = make_tmap_2d(w2, FP8, 1, EL * H, I / 2, 64, 256, SW64, "TMA w2 (MXFP4)");
+  } else {
+    maps[megamoe::kTmapW13] = make_tmap_2d(w13, FP8, 1, EL * 2 * I, H, 128, 256, SW128, "TMA w13");
+    maps[megamoe::kTmapW2] = make_tmap_2d(w2, FP8, 1, EL * H, I, 128, 256, SW128, "TMA w2");
+  }
   // Device memory, written once here before any launch that reads it (never modified
   // on the device, so no tensormap proxy fence is needed). Lives until free_params.
   entry->context = current_context();
@@ -305,7 +311,7 @@ PYBIND11_MODULE(_runtime, m) {
   m.def("make_params", &make_params, py::arg("peer_ptrs"), py::arg("rank"), py::arg("offsets"),
         py::arg("pool_capacity"), py::arg("hidden"), py::arg("intermediate_size"), py::arg("num_local_experts"),
         py::arg("block_m"), py::arg("w13"), py::arg("w13_scale"), py::arg("w2"), py::arg("w2_scale"),
-        py::arg("timeout_s"));
+        py::arg("timeout_s"), py::arg("mxfp4_weights") = false);
   m.def("launch", &launch, py::arg("kernel"), py::arg("params"), py::arg("y"), py::arg("num_tokens"),
         py::arg("recv_stats"), py::arg("activation_clamp"), py::arg("num_ctas"), py::arg("num_threads"),
         py::arg("stream"), py::arg("call_tag"), py::arg("stop_after_phase") = 0, py::arg("timeline") = 0, py::arg("window_launches") = 0);

@@ -263,7 +263,8 @@ def smem_bytes_of(variant: KernelVariant) -> int:
     SharedStorage that the variant's smem.cuh static_asserts against it, and the alignment slack)."""
     from ..heuristics import smem_bytes
 
-    return smem_bytes(variant.block_m, variant.num_stages, variant.num_experts // variant.num_ranks, variant.numerics)
+    return smem_bytes(variant.block_m, variant.num_stages, variant.num_experts // variant.num_ranks, variant.numerics,
+                      variant.weights)
 
 
 def compile_variant(variant: KernelVariant, verbose: bool = False) -> CompiledKernel:

@@ -1,0 +1,96 @@
+// MXFP4 expert weights on FP8 tensor cores (docs/design.md section 2, "FP4 experts"). A stage carries
+// a tile's packed E2M1 codes (kBlockN rows x 64 bytes per k-block, 64B swizzle) and the rows' E8M0
+// scales of the k-block (4 bytes per row, group g in byte g); each math warpgroup turns its 128 rows
+// into an e4m3 tile in the 128B-swizzled layout its WGMMAs read (what TMA writes for FP8 weights) and
+// one float scale per row, which the promotion applies as FP8 weights' block scale.
+//
+// The fold: a row's k-block has 4 groups of 32 elements with scales 2^(s_g - 127). With m the largest
+// s_g, the row's scale is 2^(m - 133) and group g's codes become code x 2^(s_g - m + 6) in e4m3. An
+// E2M1 value times 2^d is exact in e4m3 for d in [-8, 6] (6 x 2^6 = 384 <= 448; 0.5 x 2^-8 = 2^-9,
+// e4m3's least subnormal), so a row whose k-block's scales span at most 2^14 converts exactly. A group
+// whose scale lies further below the row's largest (d < -8) is rounded to nearest even among e4m3's
+// subnormals (all zero for d < -12): an error of at most 2^-10 of the row's scale, 2^-16 of its largest
+// group's.
+#pragma once
+
+#include <stdint.h>
+
+#include "config.cuh"
+
+namespace megamoe {
+
+constexpr int kFp4RowScaleShift = 6;  // the row scale is 2^(m - 127 - kFp4RowScaleShift)
+
+// e4m3 byte, rounded to nearest even, of E2M1 magnitude `magnitude` (0..7: 0, 0.5, 1, 1.5, 2, 3,
+// 4, 6) times 2^d, for d <= 6. The slow path of fp4_e4m3_table.
+__device__ __forceinline__ uint32_t fp4_e4m3_byte(int magnitude, int d) {
+  // Twice the magnitude, an integer: 0, 1, 2, 3, then 4, 6, 8, 12.
+  const int twice = magnitude < 4 ? magnitude : static_cast<int>((0x0C080604u >> (8 * (magnitude - 4))) & 0xFFu);
+  if (twice == 0) return 0u;
+  // The value in units of 2^-9 (e4m3's least subnormal) is twice x 2^(d + 8).
+  const int shift = d + 8;
+  if (shift >= 0 && (twice << shift) >= 8) {  // a normal e4m3 value: exponent e, one mantissa bit at most
+    const int top = 31 - __clz(twice);          // twice = 2^top or 3 x 2^(top - 1)
+    const int e = top + d - 1;                  // value = 2^e or 1.5 x 2^e
+    const uint32_t half = twice == (1 << top) ? 0u : 4u;
+    return static_cast<uint32_t>(e + 7) << 3 | half;
+  }
+  if (shift >= 0) return static_cast<uint32_t>(twice << shift);  // subnormal, exact (< 8 units)
+  // Below: twice / 2^-shift units, rounded to nearest even (0..7, or 8 = 2^-6, e4m3's bits for it).
+  if (-shift > 4) return 0u;  // at most 12 / 32 of a unit
+  const int down = twice >> -shift, rest = twice & ((1 << -shift) - 1), half_unit = 1 << (-shift - 1);
+  return static_cast<uint32_t>(down + (rest > half_unit || (rest == half_unit && (down & 1))));
+}
+
+// The e4m3 bytes of the 8 E2M1 magnitudes times 2^d, magnitude i in byte i of {.x, .y}. For d >= -5
+// every result is normal: the d = 0 bytes with d added to their exponent fields.
+__device__ __forceinline__ uint2 fp4_e4m3_table(int d) {
+  if (d >= -5) {
+    // d = 0: 0, 0.5, 1, 1.5 -> 0x00, 0x30, 0x38, 0x3C; 2, 3, 4, 6 -> 0x40, 0x44, 0x48, 0x4C. No byte
+    // leaves [0, 0x7C] for d in [-5, 6], so the per-byte sums carry nothing into their neighbours.
+    return make_uint2(0x3C383000u + static_cast<uint32_t>(d * 0x08080800), 0x4C484440u + static_cast<uint32_t>(d * 0x08080808));
+  }
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    lo |= fp4_e4m3_byte(i, d) << (8 * i);
+    hi |= fp4_e4m3_byte(i + 4, d) << (8 * i);
+  }
+  return make_uint2(lo, hi);
+}
+
+// 8 E2M1 codes (element k in nibble k: the low nibble of a byte first) -> 8 e4m3 bytes by `table`:
+// elements 0-3 in .x, 4-7 in .y.
+__device__ __forceinline__ uint2 fp4_convert_word(uint32_t codes, uint2 table) {
+  const uint32_t magnitudes = codes & 0x77777777u;
+  const uint32_t negative = (codes >> 3) & 0x11111111u;  // per nibble 1 = negative: byte 1 of 0x8000
+  return make_uint2(__byte_perm(table.x, table.y, magnitudes) | __byte_perm(0x8000u, 0u, negative),
+                    __byte_perm(table.x, table.y, magnitudes >> 16) | __byte_perm(0x8000u, 0u, negative >> 16));
+}
+
+// Converts weight row `row` (0..kBlockN) of a stage's packed tile and scales into `tile` (kBlockN x
+// 128 e4m3, 128B swizzle) and row_scales[row]. One thread per row.
+__device__ __forceinline__ void fp4_convert_row(const uint8_t* packed, const uint32_t* scale_codes, uint8_t* tile,
+                                                float* row_scales, int row) {
+  const uint32_t codes = scale_codes[row];
+  const int s0 = codes & 0xFF, s1 = (codes >> 8) & 0xFF, s2 = (codes >> 16) & 0xFF, s3 = codes >> 24;
+  const int m = max(max(s0, s1), max(s2, s3));
+  // 2^(m - 133), a float for every E8M0 code but the NaN one (255).
+  row_scales[row] = m == 255 ? __int_as_float(0x7FC00000) : ldexpf(1.f, m - 127 - kFp4RowScaleShift);
+  const uint8_t* src = packed + row * (kBlockK / 2);
+  uint8_t* dst = tile + row * kBlockK;
+#pragma unroll
+  for (int g = 0; g < kBlockK / kFp4GroupSize; ++g) {
+    const int s = static_cast<int>((codes >> (8 * g)) & 0xFF);
+    const uint2 table = fp4_e4m3_table(s - m + kFp4RowScaleShift);
+    // 64B swizzle: the row's 16-byte chunk g lies at chunk g ^ ((row >> 1) & 3).
+    const uint4 in = *reinterpret_cast<const uint4*>(src + 16 * (g ^ ((row >> 1) & 3)));
+    const uint2 a = fp4_convert_word(in.x, table), b = fp4_convert_word(in.y, table);
+    const uint2 c = fp4_convert_word(in.z, table), e = fp4_convert_word(in.w, table);
+    // 128B swizzle: the row's 16-byte chunk j lies at chunk j ^ (row & 7); group g is chunks 2g, 2g + 1.
+    *reinterpret_cast<uint4*>(dst + 16 * ((2 * g) ^ (row & 7))) = make_uint4(a.x, a.y, b.x, b.y);
+    *reinterpret_cast<uint4*>(dst + 16 * ((2 * g + 1) ^ (row & 7))) = make_uint4(c.x, c.y, e.x, e.y);
+  }
+}
+
+}  // namespace megamoe

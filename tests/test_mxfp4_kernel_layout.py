@@ -1,0 +1,72 @@
+"""MXFP4 expert weights on their way to the kernel (CPU): the kernel layout transform_weights makes
+and undoes, the variants and shared memory the kernel reads them with (csrc/megamoe/fp4_weights.cuh)."""
+import pytest
+import torch
+
+from megamoe_plugin import abi
+from megamoe_plugin.buffer import BufferShape
+from megamoe_plugin.heuristics import default_num_stages, implemented_block_m
+from megamoe_plugin.kernel_variant import KernelVariant
+from megamoe_plugin.variants import variant_for
+from megamoe_plugin.weights import kernel_layout_shapes, transform_weights, untransform_weights
+
+
+def _mxfp4(gen, experts, rows, cols):
+    codes = torch.randint(0, 256, (experts, rows, cols // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(100, 140, (experts, rows, cols // 32), dtype=torch.uint8, generator=gen)
+    return codes, scales
+
+
+@pytest.mark.parametrize("hidden,inter", [(384, 256), (256, 128), (640, 384)])
+def test_transform_round_trip_and_layout(hidden, inter):
+    gen = torch.Generator().manual_seed(hidden + inter)
+    experts = 3
+    w13, s13 = _mxfp4(gen, experts, 2 * inter, hidden)
+    w2, s2 = _mxfp4(gen, experts, hidden, inter)
+    (w13_t, s13_t), (w2_t, s2_t) = transform_weights((w13, s13), (w2, s2))
+    shapes = kernel_layout_shapes("mxfp4", experts, hidden, inter)
+    for key, tensor in (("w13", w13_t), ("w13_scale", s13_t), ("w2", w2_t), ("w2_scale", s2_t)):
+        assert tuple(tensor.shape) == shapes[key][0] and tensor.dtype == shapes[key][1], key
+    # Interleaved row 8j + r (r < 8) of run j... row 11 is up row 3; its k-block 1 holds groups 4-7.
+    assert torch.equal(w13_t[1, 11], w13[1, inter + 3])
+    assert torch.equal(s13_t[1, 1, 11], s13[1, inter + 3, 4:8])
+    assert torch.equal(s2_t[2, 0, 5], s2[2, 5, 0:4])
+    assert int(s2_t[:, :, hidden:].sum()) == 0  # padding rows up to a multiple of 256
+    (a, b), (c, d) = untransform_weights((w13_t, s13_t), (w2_t, s2_t))
+    assert torch.equal(a, w13) and torch.equal(b, s13) and torch.equal(c, w2) and torch.equal(d, s2)
+
+
+def test_transformed_scales_of_another_layout_are_refused():
+    gen = torch.Generator().manual_seed(1)
+    w13, s13 = _mxfp4(gen, 2, 256, 256)
+    w2, s2 = _mxfp4(gen, 2, 256, 128)
+    (w13_t, s13_t), (w2_t, s2_t) = transform_weights((w13, s13), (w2, s2))
+    with pytest.raises(ValueError, match="w13_scale must have the kernel layout"):
+        untransform_weights((w13_t, s13), (w2_t, s2_t))
+
+
+def test_mxfp4_variants_run_the_swap_tiers_with_an_even_pipeline():
+    assert implemented_block_m("fast", "mxfp4") == (8, 16, 32)
+    assert implemented_block_m("exact", "mxfp4") == ()
+    shape = BufferShape.of_routed(1, 32, 8192, 6, 4096, 2048)
+    for tokens in (1, 8, 128, 8192):
+        v = variant_for(shape, "NVIDIA H100 80GB HBM3", 132, tokens, True, "fast", weights="mxfp4")
+        assert v.weights == "mxfp4" and v.block_m in (8, 16, 32) and v.num_stages % 2 == 0
+        assert v.name().endswith("_w4") and "true>" in v.source().split("KernelConfig<")[1].split(";")[0]
+    with pytest.raises(ValueError, match="fast numerics only"):
+        variant_for(shape, "NVIDIA H100 80GB HBM3", 132, 8, True, "exact", weights="mxfp4")
+    with pytest.raises(ValueError, match="even num_stages"):
+        KernelVariant(4096, 2048, 6, 32, 1, 8, 5, True, "fast", weights="mxfp4")
+    with pytest.raises(ValueError, match="block_m .8, 16, 32."):
+        KernelVariant(4096, 2048, 6, 32, 1, 64, 4, True, "fast", weights="mxfp4")
+
+
+def test_a_mxfp4_stage_carries_half_the_weight_bytes():
+    fp8 = abi.smem_plan(8, 2, 32, False, False)
+    fp4 = abi.smem_plan(8, 2, 32, False, True)
+    weight_bytes = abi.kBlockN * abi.kBlockK
+    assert fp4["stage"] <= fp8["stage"] - weight_bytes // 2 + abi.kBlockN * abi.kFp4ScaleBytesPerRow + 1024
+    # Two converted FP8 tiles and their row scales, outside the ring.
+    assert fp4["stages"] - fp4["fp4_tiles"] == 2 * weight_bytes
+    assert fp8["stages"] == fp8["fp4_tiles"]
+    assert default_num_stages(8, 32, 4096, 2048, weights="mxfp4") > default_num_stages(8, 32, 4096, 2048)
