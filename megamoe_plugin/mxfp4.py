@@ -149,3 +149,23 @@ def to_fp8_blocks(packed: torch.Tensor, scale: torch.Tensor, exact: bool = True)
                              f"than e4m3 holds beside its largest values (at most 2^14 always fits); pass "
                              f"exact=False to round its smallest values")
     return e4m3, torch.ldexp(torch.ones_like(block_exponent, dtype=torch.float32), block_exponent)
+
+
+def fold_rows(packed: torch.Tensor, scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """What the kernel's FP8 tensor cores multiply for MXFP4 weights [..., N, K/2] (csrc/megamoe/
+    fp4_weights.cuh): (e4m3 [..., N, K], float32 row scales [..., N, K/128]). Per row and 128-wide
+    k-block with largest E8M0 code m, the row scale is 2^(m - 133) and group g's values are the codes
+    times 2^(s_g - m + 6), rounded to nearest even in e4m3: exact where the k-block's scales span at
+    most 2^14. The weight is then q x row_scale, per k-block."""
+    values = unpack_e2m1(packed)
+    bits = scale_bits(scale).to(torch.int32)
+    *lead, rows, groups = bits.shape
+    per_block = _FP8_BLOCK // MXFP4_GROUP
+    by_block = bits.reshape(*lead, rows, groups // per_block, per_block)
+    top = by_block.amax(dim=-1)
+    shift = by_block - top.unsqueeze(-1) + _TOP_SHIFT
+    shifted = values.reshape(*lead, rows, groups, MXFP4_GROUP) * torch.ldexp(
+        torch.ones_like(shift, dtype=torch.float32), shift).reshape(*lead, rows, groups, 1)
+    q = shifted.reshape(values.shape).to(torch.float8_e4m3fn)
+    row_scale = torch.ldexp(torch.ones_like(top, dtype=torch.float32), top - _E8M0_BIAS - _TOP_SHIFT)
+    return q, torch.where(top == _E8M0_NAN, torch.full_like(row_scale, float("nan")), row_scale)

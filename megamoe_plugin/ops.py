@@ -244,9 +244,10 @@ def _load_for_calls(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_
     validation.require_sm90(buf.device)
     numerics = validation.resolve_numerics(numerics)
     num_tokens_list = [int(n) for n in num_tokens_list]
+    weights = weight_format(l1[0]) if l1 is not None else "fp8"
     variants = []
     for n in num_tokens_list:
-        v = select_variant(buf, n, fast_math, numerics, weight_format(l1[0]))
+        v = select_variant(buf, n, fast_math, numerics, weights)
         if v not in variants:
             variants.append(v)
     _raise_if_not_buildable(buf, [v for v in variants if (buf.device.index, v) not in _kernels], num_tokens_list,

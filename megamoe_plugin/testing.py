@@ -43,6 +43,28 @@ def random_layer(num_local_experts: int, hidden: int, intermediate: int, device,
     return Layer(checkpoint, l1, l2)
 
 
+def random_mxfp4_layer(num_local_experts: int, hidden: int, intermediate: int, device, generator: torch.Generator,
+                       wide_groups: bool = False) -> Layer:
+    """A random layer of MXFP4 experts (mxfp4.quantize_mxfp4): Gaussian weights whose 32-wide groups'
+    scales spread over 2^-4..2^4, as in LLM checkpoints; with wide_groups one group in 16 lies a further
+    2^-13 down, so that some k-blocks span more than the 2^14 that the kernel folds exactly."""
+    from .mxfp4 import MXFP4_GROUP, quantize_mxfp4
+
+    def weight(rows: int, cols: int):
+        shape = (num_local_experts, rows, cols // MXFP4_GROUP)
+        w = torch.randn(num_local_experts, rows, cols, generator=generator, device=device) / cols ** 0.5
+        gain = torch.randint(-4, 5, shape, generator=generator, device=device)
+        if wide_groups:
+            gain = torch.where(torch.rand(shape, generator=generator, device=device) < 1 / 16, gain - 13, gain)
+        return quantize_mxfp4(w * torch.ldexp(torch.ones_like(w), gain.repeat_interleave(MXFP4_GROUP, -1)))
+
+    w13, w13_scale = weight(2 * intermediate, hidden)
+    w2, w2_scale = weight(hidden, intermediate)
+    checkpoint = dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)
+    l1, l2 = transform_weights((w13, w13_scale), (w2, w2_scale))
+    return Layer(checkpoint, l1, l2)
+
+
 def with_shared_experts(layer: Layer, shared: Dict[str, torch.Tensor]) -> Layer:
     """`layer` with the shared experts of checkpoint `shared` after its routed experts, as the
     kernel reads a buffer with shared experts (the checkpoint view too, for the reference)."""
@@ -138,7 +160,15 @@ def fp8_tensor_core_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_s
     requantized FP8 codes: the second reference of numerics="fast" (output_errors), whose
     kernel L1 computes the same way.
     k_chunk < 128 sums each k-block from float32 partial GEMMs of k_chunk columns (the
-    accumulator promoted to float32 more often)."""
+    accumulator promoted to float32 more often).
+    MXFP4 weights (uint8 codes) are multiplied as the kernel folds them (mxfp4.fold_rows): e4m3
+    values with one scale per weight row and k-block."""
+    from .mxfp4 import fold_rows
+
+    if w.dtype == torch.uint8:
+        w, row_scales = fold_rows(w, w_sf)
+    else:
+        row_scales = w_sf.repeat_interleave(128, 0)  # [N, K/128]: each row its block's scale
     rows = x.shape[0]
     padded = -(-rows // 16) * 16  # cuBLAS FP8 wants dimensions in multiples of 16
     x = torch.cat([x, torch.zeros(padded - rows, x.shape[1], dtype=x.dtype, device=x.device)])
@@ -151,7 +181,7 @@ def fp8_tensor_core_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_s
             cols = slice(k0, k0 + k_chunk)
             part = part + torch._scaled_mm(x[:, cols].contiguous(), w[:, cols].contiguous().t(), scale_a=one,
                                            scale_b=one, out_dtype=torch.float32, use_fast_accum=False)
-        out += part * x_sf[:, kb: kb + 1] * w_sf[:, kb].repeat_interleave(128)[None, :]
+        out += part * x_sf[:, kb: kb + 1] * row_scales[:, kb][None, :]
     return out[:rows]
 
 

@@ -1,7 +1,7 @@
 """MXFP4 expert weights (docs/design.md section 2, "FP4 experts"): the exact dequantization in vLLM's
 nibble order, the quantizer, the checkpoint validation, and the reference on MXFP4 weights, which
-must equal the reference on the same values held as FP8 blocks. The kernel does not take them yet:
-the op layer and transform_weights say so by name."""
+must equal the reference on the same values held as FP8 blocks. Their kernel layout:
+tests/test_mxfp4_kernel_layout.py."""
 import pytest
 import torch
 
@@ -9,7 +9,7 @@ from megamoe_plugin import mxfp4
 from megamoe_plugin.fp8 import FP8_DTYPE
 from megamoe_plugin.reference import mega_moe
 from megamoe_plugin.testing import random_inputs, reference_ranks
-from megamoe_plugin.weights import dequantize_weight, transform_weights, validate_checkpoint_weights
+from megamoe_plugin.weights import dequantize_weight, validate_checkpoint_weights
 
 
 def _gen(seed):
@@ -139,12 +139,6 @@ def test_mxfp4_checkpoint_shape_and_one_format_per_model():
     ranks = reference_ranks([random_inputs(2, 128, 2, 1, "uniform", "cpu", _gen(5)) for _ in range(2)])
     with pytest.raises(ValueError, match="one format"):
         mega_moe(ranks, [packed, blocks], 2)
-
-
-def test_the_kernel_path_refuses_mxfp4_by_name():
-    w = _valid_mxfp4()
-    with pytest.raises(ValueError, match="MXFP4 weights .* FP8 expert weights only so far"):
-        transform_weights((w["w13"], w["w13_scale"]), (w["w2"], w["w2_scale"]))
 
 
 def _codes_and_bits(shape_codes, low, high, seed):

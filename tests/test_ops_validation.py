@@ -169,6 +169,11 @@ def test_numerics_default_comes_from_the_environment(monkeypatch):
         ops.resolve_numerics(None)
 
 
+def _config_args(variant):
+    """The KernelConfig template arguments of a variant's source."""
+    return variant.source().split("KernelConfig<")[1].split(">;")[0].split(", ")
+
+
 def test_select_variant_carries_the_numerics_mode(monkeypatch):
     """The variant (and with it the JIT cache key and the cubin's name) differs per mode."""
     from megamoe_plugin import jit, ops
@@ -181,7 +186,8 @@ def test_select_variant_carries_the_numerics_mode(monkeypatch):
     assert (fast.numerics, exact.numerics) == ("fast", "exact")
     assert fast.name() != exact.name() and fast.name().endswith("_fast")
     # KernelConfig's last two arguments: exact L1, windowed.
-    assert "true, false>" in exact.source().split("\n")[1] and "false, false>" in fast.source().split("\n")[1]
+    # KernelConfig's template arguments: ..., fast_math, exact L1, windowed, MXFP4 weights.
+    assert _config_args(exact)[-3:] == ["true", "false", "false"] and _config_args(fast)[-3:] == ["false"] * 3
     with pytest.raises(ValueError, match="numerics must be one of"):
         kernel_variant.KernelVariant(4096, 2048, 6, 32, 1, 64, 4, True, "fp8")
 
@@ -201,7 +207,7 @@ def test_select_variant_is_windowed_where_the_buffer_is(monkeypatch):
         plain, win = (ops.select_variant(b, 512, True, numerics) for b in (whole, windowed))
         assert not plain.windowed and win.windowed and win.name() == plain.name() + "_win"
         assert kernel_variant.WINDOW_KERNEL_NAME not in plain.source() and f"{kernel_variant.WINDOW_KERNEL_NAME}(" in win.source()
-        assert win.source().split("\n")[1].endswith(", true>;")
+        assert _config_args(win)[-2] == "true"
         assert f"Cfg::kWindowLoop == {'false' if win.block_m == 128 else 'true'}" in win.source()
     assert mm.buffer.BufferShape(2, 64, 512, 6, 4096, 2048).windowed  # the default pools at EP2
 

@@ -76,6 +76,10 @@ def parser() -> argparse.ArgumentParser:
                         "per-expert torch path: torch._scaled_mm with block scales, SwiGLU, FP8 requant), auto "
                         "(vllm if importable, else torch) or none; none with --shared-experts (docs/design.md "
                         "section 2: the fused call's floor counts them) (default: %(default)s)")
+    p.add_argument("--weights", choices=("fp8", "mxfp4"), default="fp8",
+                   help="the experts' weight format: fp8 (128x128 blocks) or mxfp4 (E2M1 codes with E8M0 scales per "
+                        "32, read at 4 bits; fast numerics); its configs are named +w4, and the floor reads 4.25 "
+                        "bits per weight (default: %(default)s)")
     p.add_argument("--results", default="megamoe-bench-results", metavar="DIR",
                    help="folder for the JSON file and the PNG plot (matplotlib) (default: %(default)s)")
     return p
@@ -112,6 +116,11 @@ def parse_args(argv: Optional[List[str]] = None):
         p.error(f"--numerics: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(NUMERICS_MODES)}")
     if args.iters < 1:
         p.error("--iters must be >= 1")
+    if args.weights == "mxfp4" and (numerics != ["fast"] or args.shared_experts or args.baseline not in ("none", "auto")):
+        p.error("--weights mxfp4: with --numerics fast, no shared experts and --baseline none (the kernel runs MXFP4 "
+                "weights in fast numerics; the baselines take FP8 weights)")
+    if args.weights == "mxfp4":
+        args.baseline = "none"
     if args.baseline == "vllm" and importlib.util.find_spec("vllm") is None:
         p.error("--baseline vllm: vllm is not installed (pip install 'megamoe_plugin[vllm]'), or use --baseline torch")
     return args, configs, tokens, numerics
@@ -210,14 +219,16 @@ class _Timer:
         import torch
 
         import megamoe_plugin as mm
-        from ..testing import random_layer, with_shared_experts
+        from ..testing import random_layer, random_mxfp4_layer, with_shared_experts
         from ..timing import l2_flusher
 
         self.args, self.ceilings, self.group, self.rank, self.num_ranks = args, ceilings, group, rank, num_ranks
         self.name = f"{name}+s{args.shared_experts}" if args.shared_experts else name
+        self.name += "+w4" if args.weights == "mxfp4" else ""
         self.hidden, self.inter, self.topk = hidden, inter, topk
         self.num_experts, self.local_experts, self.gen = num_experts, local_experts, gen
-        self.layer = random_layer(local_experts, hidden, inter, "cuda", gen)
+        make_layer = random_mxfp4_layer if args.weights == "mxfp4" else random_layer
+        self.layer = make_layer(local_experts, hidden, inter, "cuda", gen)
         self.buf = mm.get_symm_buffer(group, num_experts, max_tokens, topk, hidden, inter,
                                       num_shared_experts=args.shared_experts)
         if args.shared_experts:  # replicated: every rank draws the same ones
@@ -258,7 +269,7 @@ class _Timer:
         import megamoe_plugin as mm
         from . import report
         from ..timing import sm_clock_mhz
-        from .floors import rank_floor
+        from .floors import WEIGHT_BYTES_PER_ELEMENT, rank_floor
 
         n = inputs["x"].shape[0]
         y = torch.empty(n, self.hidden, dtype=torch.bfloat16, device="cuda")
@@ -285,7 +296,8 @@ class _Timer:
             all_idx = [None] * self.num_ranks
             dist.all_gather_object(all_idx, kernel_idx, self.group)
         floor, flops, nvlink_bytes = rank_floor(all_idx, self.rank, self.num_ranks, self.hidden, self.inter,
-                                                self.ceilings, self.buf.shape.num_local_experts)
+                                                self.ceilings, self.buf.shape.num_local_experts,
+                                                WEIGHT_BYTES_PER_ELEMENT[self.args.weights])
         return report.point(self.name, numerics, n, t, flops, floor, t_e2e, t_base,
                             nvlink_bytes if self.num_ranks > 1 else None, sm_mhz)
 

@@ -54,10 +54,15 @@ def measure_peer_bandwidth(buf) -> float:
     return nbytes * 10 / timed_seconds(lambda: dst.copy_(src), 10)
 
 
+# Bytes an expert weight takes in HBM: FP8 (its 128x128 block scale is negligible), MXFP4 (4 bits
+# and one E8M0 byte per 32).
+WEIGHT_BYTES_PER_ELEMENT = {"fp8": 1.0, "mxfp4": 0.5 + 1 / 32}
+
+
 def rank_floor(all_idx: List[torch.Tensor], rank: int, num_ranks: int, hidden: int, inter: int, ceilings: Ceilings,
-               local_experts: int) -> Tuple[float, int, int]:
+               local_experts: int, weight_bytes_per_element: float = 1.0) -> Tuple[float, int, int]:
     """(floor seconds, FLOPs, NVLink bytes) of one rank, from every rank's routing (list of [n, K]
-    ids). The NVLink bytes are the larger direction of the rank's link traffic: in, the rows it
+    ids), with weights of `weight_bytes_per_element` (WEIGHT_BYTES_PER_ELEMENT). The NVLink bytes are the larger direction of the rank's link traffic: in, the rows it
     pulls (FP8 row and its scales) and the BF16 rows others scatter back to its tokens; out, the BF16
     rows it scatters to others' tokens. 0 on one rank."""
     local = range(rank * local_experts, (rank + 1) * local_experts)
@@ -72,7 +77,7 @@ def rank_floor(all_idx: List[torch.Tensor], rank: int, num_ranks: int, hidden: i
             pulled += mine.numel()  # rows this rank pulls in, and scatters back out
         else:
             returned += int(((valid < local.start) | (valid >= local.stop)).sum())  # rows others send back
-    weight_bytes = len(experts_hit) * 3 * inter * hidden
+    weight_bytes = len(experts_hit) * 3 * inter * hidden * weight_bytes_per_element
     act_bytes = all_idx[rank].shape[0] * hidden * 3 + rows * (hidden + 2 * inter + 2 * hidden)
     nvlink_in = (pulled * (hidden + hidden // 128 * 4) + returned * 2 * hidden) if num_ranks > 1 else 0
     nvlink_out = pulled * 2 * hidden if num_ranks > 1 else 0
