@@ -20,14 +20,15 @@ Kernel layout produced by `transform_weights` (a pure permutation, bit-exact):
     w13_scale_t [E_l, I/128, 2, H/128]: [e, g, 0, kb] is the scale of gate block g,
                 [e, g, 1, kb] the scale of up block g (checkpoint block I/128 + g).
     w2_t, w2_scale_t: the checkpoint tensors, made contiguous.
-MXFP4 (`kernel_layout_shapes` gives every shape):
-    w13_t       uint8 [E_l, 2I, H/2]: the packed rows, interleaved as above.
-    w13_scale_t uint8 [E_l, H/128, 2I, 4]: per k-block of 128 inputs, each (interleaved) row's 4 E8M0
-                codes, so that one k-block of a 256-row tile is 1 KB in one piece (one bulk copy,
-                csrc/megamoe/pipeline.cuh load_b).
-    w2_t        uint8 [E_l, H, I/2]: the checkpoint tensor.
-    w2_scale_t  uint8 [E_l, I/128, H padded to a multiple of 256, 4]: the same per k-block layout,
-                the padding rows zero (a tile past H reads them and drops its outputs).
+MXFP4 (`kernel_layout_shapes` gives every shape), in the kernel's tiles of 256 rows (abi.kBlockN)
+by 128 inputs, each tile's k-block in one piece: its 16 KB of codes one sequential read (TMA), its
+1 KB of scales one bulk copy (csrc/megamoe/pipeline.cuh load_b):
+    w13_t       uint8 [E_l, 2I/256, H/128, 256, 64]: [e, n, k] is the tile of (interleaved, as
+                above) rows [256n, 256n + 256) and inputs [128k, 128k + 128), row by row.
+    w13_scale_t uint8 [E_l, H/128, 2I, 4]: per k-block, each (interleaved) row's 4 E8M0 codes.
+    w2_t        uint8 [E_l, ceil(H/256), I/128, 256, 64]: the same tiles of w2's rows.
+    w2_scale_t  uint8 [E_l, I/128, H padded to a multiple of 256, 4].
+Rows past H (a last tile of fewer rows) are zero: the tiles past H read them and drop their outputs.
 
 Why this layout:
 - The L1 epilogue computes silu(gate) * up per output column (a w13 row is an L1
@@ -50,7 +51,7 @@ from typing import Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from . import mxfp4
+from . import abi, mxfp4
 from .fp8 import FP8_DTYPE, dequantize_weight_blocks
 
 BLOCK = 128
@@ -69,11 +70,13 @@ def kernel_layout_shapes(weights: str, num_local_experts: int, hidden: int, inte
     format `weights` ("fp8" or "mxfp4"), for the call's validation."""
     el, h, i = num_local_experts, hidden, intermediate
     if weights == "mxfp4":
-        per_row = BLOCK // mxfp4.MXFP4_GROUP
-        padded_h = -(-h // 256) * 256
-        return {"w13": ((el, 2 * i, h // 2), torch.uint8, "[E_local, 2I, H/2]"),
+        per_row, rows = BLOCK // mxfp4.MXFP4_GROUP, abi.kBlockN
+        padded_h = -(-h // rows) * rows
+        return {"w13": ((el, 2 * i // rows, h // BLOCK, rows, BLOCK // 2), torch.uint8,
+                        f"[E_local, 2I/{rows}, H/128, {rows}, 64]"),
                 "w13_scale": ((el, h // BLOCK, 2 * i, per_row), torch.uint8, f"[E_local, H/128, 2I, {per_row}]"),
-                "w2": ((el, h, i // 2), torch.uint8, "[E_local, H, I/2]"),
+                "w2": ((el, padded_h // rows, i // BLOCK, rows, BLOCK // 2), torch.uint8,
+                       f"[E_local, ceil(H/{rows}), I/128, {rows}, 64]"),
                 "w2_scale": ((el, i // BLOCK, padded_h, per_row), torch.uint8,
                              f"[E_local, I/128, H padded to 256, {per_row}]")}
     return {"w13": ((el, 2 * i, h), FP8_DTYPE, "[E_local, 2I, H]"),
@@ -91,6 +94,21 @@ def _mxfp4_scales_by_k_block(scale: torch.Tensor, padded_rows: int) -> torch.Ten
     out = torch.zeros((e, groups // per_row, padded_rows, per_row), dtype=torch.uint8, device=codes.device)
     out[:, :, :n] = by_block
     return out
+
+
+def _mxfp4_tiles(packed: torch.Tensor) -> torch.Tensor:
+    """Packed codes [E, N, K/2] -> [E, ceil(N/256), K/128, 256, 64] (zero padding rows)."""
+    e, n, half_k = packed.shape
+    rows = abi.kBlockN
+    padded = torch.zeros((e, -(-n // rows) * rows, half_k), dtype=torch.uint8, device=packed.device)
+    padded[:, :n] = packed
+    return (padded.reshape(e, -1, rows, half_k // (BLOCK // 2), BLOCK // 2).transpose(2, 3).contiguous())
+
+
+def _mxfp4_rows(tiles: torch.Tensor, rows: int) -> torch.Tensor:
+    """Inverse of _mxfp4_tiles: [E, N/256, K/128, 256, 64] -> [E, rows, K/2]."""
+    e, blocks, k_blocks, tile_rows, half = tiles.shape
+    return tiles.transpose(2, 3).reshape(e, blocks * tile_rows, k_blocks * half)[:, :rows].contiguous()
 
 
 def _mxfp4_scales_by_row(scale_t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -139,6 +157,18 @@ def _validate(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_s
             raise ValueError(f"{names[key]} is on {tensor.device} but {names['w13']} is on {w13.device}; "
                              "all weights must be on one device")
 
+    if packed and transformed:
+        if w13.dim() != 5:
+            raise ValueError(f"{names['w13']} must be MXFP4 in the kernel layout [E_local, 2I/256, H/128, 256, 64] "
+                             f"(transform_weights), got shape {tuple(w13.shape)}")
+        num_local_experts = w13.shape[0]
+        hidden, intermediate = w13.shape[2] * BLOCK, w13.shape[1] * abi.kBlockN // 2
+        shapes = kernel_layout_shapes("mxfp4", num_local_experts, hidden, intermediate)
+        for key in ("w2", "w13_scale", "w2_scale"):
+            if tuple(tensors[key].shape) != shapes[key][0]:
+                raise ValueError(f"{names[key]} must have the kernel layout {shapes[key][2]} = {shapes[key][0]} "
+                                 f"(transform_weights), got {tuple(tensors[key].shape)}")
+        return num_local_experts, hidden, intermediate
     # Columns per stored element along K: MXFP4 packs two.
     per_byte = 2 if packed else 1
     w13_layout, w2_layout = ("[E_local, 2*I, H/2]", "[E_local, H, I/2]") if packed else ("[E_local, 2*I, H]",
@@ -165,13 +195,6 @@ def _validate(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_s
         raise ValueError(f"{names['w2']} must have shape {w2_layout} = {w2_shape} "
                          f"to match {names['w13']} of shape {tuple(w13.shape)}, got {tuple(w2.shape)}")
 
-    if packed and transformed:
-        shapes = kernel_layout_shapes("mxfp4", num_local_experts, hidden, intermediate)
-        for key in ("w13_scale", "w2_scale"):
-            if tuple(tensors[key].shape) != shapes[key][0]:
-                raise ValueError(f"{names[key]} must have the kernel layout {shapes[key][2]} = {shapes[key][0]} "
-                                 f"(transform_weights), got {tuple(tensors[key].shape)}")
-        return num_local_experts, hidden, intermediate
     if packed:
         group = mxfp4.MXFP4_GROUP
         expected_scales = {
@@ -252,7 +275,7 @@ def transform_weights(l1: WeightPair, l2: WeightPair,
         w13_scale_t = _mxfp4_scales_by_k_block(interleave(mxfp4.scale_bits(w13_scale)), 2 * intermediate)
         w2_scale_t = _mxfp4_scales_by_k_block(w2_scale, kernel_layout_shapes("mxfp4", 1, hidden, intermediate)
                                               ["w2_scale"][0][2])
-        return (interleave(w13), w13_scale_t), (w2.contiguous(), w2_scale_t)
+        return (_mxfp4_tiles(interleave(w13)), w13_scale_t), (_mxfp4_tiles(w2), w2_scale_t)
     w13_t = interleave(w13)
     # [E, (gate|up), I/128, H/128] -> [E, I/128, (gate|up), H/128]
     w13_scale_t = (w13_scale.reshape(num_local_experts, 2, intermediate // BLOCK, hidden // BLOCK)
@@ -274,7 +297,8 @@ def untransform_weights(l1: WeightPair, l2: WeightPair) -> Tuple[WeightPair, Wei
 
     if weight_format(w13_t) == "mxfp4":
         w13_scale = deinterleave(_mxfp4_scales_by_row(w13_scale_t, 2 * intermediate))
-        return (deinterleave(w13_t), w13_scale), (w2.contiguous(), _mxfp4_scales_by_row(w2_scale, hidden))
+        return ((deinterleave(_mxfp4_rows(w13_t, 2 * intermediate)), w13_scale),
+                (_mxfp4_rows(w2, hidden), _mxfp4_scales_by_row(w2_scale, hidden)))
     w13 = deinterleave(w13_t)
     w13_scale = (w13_scale_t.transpose(1, 2)
                  .reshape(num_local_experts, 2 * intermediate // BLOCK, hidden // BLOCK).contiguous())

@@ -27,9 +27,12 @@ def test_transform_round_trip_and_layout(hidden, inter):
     shapes = kernel_layout_shapes("mxfp4", experts, hidden, inter)
     for key, tensor in (("w13", w13_t), ("w13_scale", s13_t), ("w2", w2_t), ("w2_scale", s2_t)):
         assert tuple(tensor.shape) == shapes[key][0] and tensor.dtype == shapes[key][1], key
-    # Interleaved row 8j + r (r < 8) of run j... row 11 is up row 3; its k-block 1 holds groups 4-7.
-    assert torch.equal(w13_t[1, 11], w13[1, inter + 3])
+    # Interleaved row 11 is up row 3 (runs of 8 gate rows, then 8 up rows); in tile [e, 0, k] row 11,
+    # its bytes of k-block k; its k-block 1 scales are groups 4-7.
+    assert torch.equal(w13_t[1, 0, 1, 11], w13[1, inter + 3, 64:128])
     assert torch.equal(s13_t[1, 1, 11], s13[1, inter + 3, 4:8])
+    if hidden % 256:
+        assert int(w2_t[:, -1, :, hidden % 256:].sum()) == 0  # w2's rows past H in its last tile
     assert torch.equal(s2_t[2, 0, 5], s2[2, 5, 0:4])
     assert int(s2_t[:, :, hidden:].sum()) == 0  # padding rows up to a multiple of 256
     (a, b), (c, d) = untransform_weights((w13_t, s13_t), (w2_t, s2_t))
@@ -43,6 +46,8 @@ def test_transformed_scales_of_another_layout_are_refused():
     (w13_t, s13_t), (w2_t, s2_t) = transform_weights((w13, s13), (w2, s2))
     with pytest.raises(ValueError, match="w13_scale must have the kernel layout"):
         untransform_weights((w13_t, s13), (w2_t, s2_t))
+    with pytest.raises(ValueError, match=r"w13 must be MXFP4 in the kernel layout"):
+        untransform_weights((w13, s13_t), (w2_t, s2_t))
 
 
 def test_mxfp4_variants_run_the_swap_tiers_with_an_even_pipeline():

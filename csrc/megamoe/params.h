@@ -34,9 +34,9 @@ struct HostWords {
 // (KernelParams::tmaps points at them).
 enum TensorMapIndex : int {
   kTmapPoolX = 0,  // [P, H] fp8, box {128, BLOCK_M}, 128B swizzle
-  kTmapW13 = 1,    // [E_l * 2I, H] fp8, box {128, 256}, 128B swizzle (MXFP4: [E_l * 2I, H / 2] uint8, box {64, 256}, 64B swizzle)
+  kTmapW13 = 1,    // [E_l * 2I, H] fp8, box {128, 256}, 128B swizzle (MXFP4: tiles [E_l * 2I/256 * H/128 * 256, 64] uint8, box {64, 256}, 64B swizzle)
   kTmapAct = 2,    // [P, I] fp8, box {128, BLOCK_M}, 128B swizzle
-  kTmapW2 = 3,     // [E_l * H, I] fp8, box {128, 256}, 128B swizzle (MXFP4: [E_l * H, I / 2] uint8, box {64, 256}, 64B swizzle)
+  kTmapW2 = 3,     // [E_l * H, I] fp8, box {128, 256}, 128B swizzle (MXFP4: tiles [E_l * ceil(H/256) * I/128 * 256, 64] uint8, box {64, 256}, 64B swizzle)
   kNumTmaps = 4,
 };
 

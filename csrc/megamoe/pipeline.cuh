@@ -101,25 +101,25 @@ __device__ __forceinline__ void load_a(const KernelParams& p, const StageView<Cf
                            sf_pool + (int64_t)kb * p.pool_capacity + staged_scale_row(row_a), Cfg::kStageScaleBytes, bar);
 }
 
-// Loads k-block kb of a tile's B rows (weight rows row_b, .. + kBlockN of the phase's weights) into
-// stage s. MXFP4 weights: the packed codes by TMA (64 bytes per row and k-block) and the rows' scale
-// codes by a bulk copy from the transformed scales ([E_l][k-block][rows, padded to kBlockN][4],
-// weights.py), which keep a tile's k-block contiguous.
+// Loads k-block kb of a tile's B rows (weight rows n_block * kBlockN, .. + kBlockN of `expert` in the
+// phase's weights) into stage s. MXFP4 weights: the tile's k-block of packed codes, which the kernel
+// layout keeps in one piece (weights.py: [E_l][n-block][k-block][256 rows][64 bytes], so TMA reads it
+// sequentially), and its rows' scale codes by a bulk copy ([E_l][k-block][rows, padded to kBlockN][4]).
 template <class Cfg, bool kIsL2>
 __device__ __forceinline__ void load_b(const KernelParams& p, const StageView<Cfg>& sv, int s, const CUtensorMap* tmap_b,
                                        int kb, int expert, int n_block, uint64_t* bar) {
-  constexpr int kRowsPerExpert = kIsL2 ? Cfg::kHidden : 2 * Cfg::kInter;
-  const int row_b = expert * kRowsPerExpert + n_block * Cfg::kBlockN;
   if constexpr (Cfg::kFp4Weights) {
     constexpr int kNumKBlocks = kIsL2 ? Cfg::kL2NumKBlocks : Cfg::kL1NumKBlocks;
-    constexpr int kPaddedRows = (kRowsPerExpert + Cfg::kBlockN - 1) / Cfg::kBlockN * Cfg::kBlockN;
-    tma_load_2d(sv.b(s), tmap_b, kb * (Cfg::kBlockK / 2), row_b, bar);
+    constexpr int kNumNBlocks = kIsL2 ? Cfg::kL2NumNBlocks : Cfg::kL1NumNBlocks;
+    const int tile_k_block = (expert * kNumNBlocks + n_block) * kNumKBlocks + kb;
+    tma_load_2d(sv.b(s), tmap_b, 0, tile_k_block * Cfg::kBlockN, bar);
     const uint8_t* codes = reinterpret_cast<const uint8_t*>(kIsL2 ? p.w2_scale : p.w13_scale) +
-                           (((int64_t)expert * kNumKBlocks + kb) * kPaddedRows + n_block * Cfg::kBlockN) * kFp4ScaleBytesPerRow;
+                           (((int64_t)expert * kNumKBlocks + kb) * kNumNBlocks + n_block) * Cfg::kBlockN * kFp4ScaleBytesPerRow;
     cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, sv.b_scale_codes(s), codes,
                              Cfg::kStageWeightScaleBytes, bar);
   } else {
-    tma_load_2d(sv.b(s), tmap_b, kb * Cfg::kBlockK, row_b, bar);
+    constexpr int kRowsPerExpert = kIsL2 ? Cfg::kHidden : 2 * Cfg::kInter;
+    tma_load_2d(sv.b(s), tmap_b, kb * Cfg::kBlockK, expert * kRowsPerExpert + n_block * Cfg::kBlockN, bar);
   }
 }
 

@@ -210,10 +210,13 @@ int make_params(const std::vector<uint64_t>& peer_ptrs, int rank, const std::map
   const auto SW128 = CU_TENSOR_MAP_SWIZZLE_128B;
   maps[megamoe::kTmapPoolX] = make_tmap_2d(base + p->off.pool_x, FP8, 1, P, H, 128, block_m, SW128, "TMA pool_x");
   maps[megamoe::kTmapAct] = make_tmap_2d(base + p->off.act, FP8, 1, P, I, 128, block_m, SW128, "TMA act");
-  if (mxfp4_weights) {  // packed E2M1 codes, two per byte: 64 bytes of a row per k-block (params.h)
+  if (mxfp4_weights) {  // packed E2M1 codes in the kernel's tiles: 256 rows x 64 bytes per k-block (params.h)
     const auto SW64 = CU_TENSOR_MAP_SWIZZLE_64B;
-    maps[megamoe::kTmapW13] = make_tmap_2d(w13, FP8, 1, EL * 2 * I, H / 2, 64, 256, SW64, "TMA w13 (MXFP4)");
-    maps[megamoe::kTmapW2] = make_tmap_2d(w2, FP8, 1, EL * H, I / 2, 64, 256, SW64, "TMA w2 (MXFP4)");
+    const uint64_t N = megamoe::kBlockN, K = megamoe::kBlockK, w2_blocks = (H + N - 1) / N;
+    maps[megamoe::kTmapW13] = make_tmap_2d(w13, FP8, 1, EL * (2 * I / N) * (H / K) * N, K / 2, K / 2, N, SW64,
+                                           "TMA w13 (MXFP4)");
+    maps[megamoe::kTmapW2] = make_tmap_2d(w2, FP8, 1, EL * w2_blocks * (I / K) * N, K / 2, K / 2, N, SW64,
+                                          "TMA w2 (MXFP4)");
   } else {
     maps[megamoe::kTmapW13] = make_tmap_2d(w13, FP8, 1, EL * 2 * I, H, 128, 256, SW128, "TMA w13");
     maps[megamoe::kTmapW2] = make_tmap_2d(w2, FP8, 1, EL * H, I, 128, 256, SW128, "TMA w2");
