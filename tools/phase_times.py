@@ -21,7 +21,7 @@ import torch
 import megamoe_plugin as mm
 from megamoe_plugin.bench.cli import CONFIGS, LOCAL_EXPERTS
 from megamoe_plugin.buffer import BufferShape
-from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer
+from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer, random_mxfp4_layer
 from megamoe_plugin.timing import l2_flusher, median_call_seconds
 
 PHASES = [(2, "count+list+rank barrier"), (4, "layout+pull"), (5, "L1 GEMM+epilogue"), (6, "L2 GEMM+scatter"),
@@ -35,6 +35,14 @@ def add_call_arguments(parser: argparse.ArgumentParser, tokens: str = "1,128,819
                         help="e.g. 128 for the tools/e2e model (qwen30's H/I/top-k with 128 experts)")
     parser.add_argument("--pool-rows", default=None,
                         help="shortK (K rows fewer than the worst routing needs) or a row count: windowed pools")
+    parser.add_argument("--weights", choices=("fp8", "mxfp4"), default="fp8",
+                        help="the experts' weight format (mxfp4: read at 4 bits, fast numerics)")
+
+
+def layer_for(args, hidden: int, inter: int, gen: torch.Generator):
+    """A random layer of --local-experts experts in the --weights format."""
+    make = random_mxfp4_layer if args.weights == "mxfp4" else random_layer
+    return make(args.local_experts, hidden, inter, "cuda", gen)
 
 
 def pool_rows_for(spec, shape: BufferShape):
@@ -51,7 +59,7 @@ def calls(args):
     tokens_list = [int(t) for t in args.tokens.split(",")]
     for name in args.configs.split(","):
         hidden, inter, topk = CONFIGS[name]
-        layer = random_layer(args.local_experts, hidden, inter, "cuda", gen)
+        layer = layer_for(args, hidden, inter, gen)
         shape = BufferShape(1, args.local_experts, max(tokens_list), topk, hidden, inter)
         buf = mm.get_symm_buffer(None, args.local_experts, max(tokens_list), topk, hidden, inter,
                                  pool_rows=pool_rows_for(args.pool_rows, shape))

@@ -22,10 +22,10 @@ import torch
 import megamoe_plugin as mm
 from megamoe_plugin.bench.cli import CONFIGS
 from megamoe_plugin.ops import timeline_for
-from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer
+from megamoe_plugin.testing import fill_buffer, random_inputs
 from megamoe_plugin.timeline import format_lag, format_summary, pull_scatter_lag, summarize
 from megamoe_plugin.timing import l2_flusher
-from phase_times import add_call_arguments, calls  # tools/ is this script's folder
+from phase_times import add_call_arguments, calls, layer_for  # tools/ is this script's folder
 
 
 def rank_calls(args, num_ranks, local_bufs, seed):
@@ -38,7 +38,7 @@ def rank_calls(args, num_ranks, local_bufs, seed):
     for name in args.configs.split(","):
         hidden, inter, topk = CONFIGS[name]
         bufs = local_bufs(experts, max(tokens_list), topk, hidden, inter)
-        layers = [random_layer(args.local_experts, hidden, inter, "cuda", gen) for _ in bufs]
+        layers = [layer_for(args, hidden, inter, gen) for _ in bufs]
         for n in tokens_list:
             for buf in bufs:
                 fill_buffer(buf, random_inputs(n, hidden, experts, topk, "uniform", "cuda", gen))
