@@ -75,8 +75,10 @@ __device__ __forceinline__ void fp4_convert_row(const uint8_t* packed, const uin
   const uint32_t codes = scale_codes[row];
   const int s0 = codes & 0xFF, s1 = (codes >> 8) & 0xFF, s2 = (codes >> 16) & 0xFF, s3 = codes >> 24;
   const int m = max(max(s0, s1), max(s2, s3));
-  // 2^(m - 133), a float for every E8M0 code but the NaN one (255).
-  row_scales[row] = m == 255 ? __int_as_float(0x7FC00000) : ldexpf(1.f, m - 127 - kFp4RowScaleShift);
+  // 2^(m - 133) by its bits (exponent field m - 6; a subnormal below m = 7), NaN for E8M0's NaN code 255.
+  const int exponent = m - 127 - kFp4RowScaleShift;
+  row_scales[row] = m == 255 ? __int_as_float(0x7FC00000)
+                             : __int_as_float(exponent >= -126 ? (exponent + 127) << 23 : 1 << (exponent + 149));
   const uint8_t* src = packed + row * (kBlockK / 2);
   uint8_t* dst = tile + row * kBlockK;
 #pragma unroll
