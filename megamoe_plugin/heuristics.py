@@ -178,8 +178,6 @@ def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = 
     _check_local_experts(num_local_experts)
     without_stages = _smem_plan(block_m, 0, num_local_experts, numerics, weights)
     stages = (smem_limit - without_stages["bytes"] - abi.kSmemAlignSlack) // without_stages["stage"]
-    if weights == "mxfp4":
-        stages -= stages % 2  # two FP8 tiles alternate by stage parity (csrc/megamoe/mma.cuh mma_tile_swap)
     if stages < MIN_STAGES:
         raise ValueError(
             f"only {max(stages, 0)} pipeline stage(s) of block_m={block_m} fit in {smem_limit} bytes of shared "
@@ -201,9 +199,8 @@ def default_num_stages(block_m: int, num_local_experts: int, hidden: int, interm
     useful = max(MIN_STAGES, min(hidden, intermediate_size) // BLOCK_K)
     if weights == "mxfp4":
         # A stage carries half the weight bytes: twice the stages keep as many bytes in flight.
-        stages = min(max_pipeline_stages(block_m, num_local_experts, smem_limit, numerics, weights), 2 * MAX_STAGES,
-                     useful)
-        return stages - stages % 2
+        return min(max_pipeline_stages(block_m, num_local_experts, smem_limit, numerics, weights), 2 * MAX_STAGES,
+                   useful)
     return min(max_pipeline_stages(block_m, num_local_experts, smem_limit, numerics), MAX_STAGES, useful)
 
 

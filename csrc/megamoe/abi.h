@@ -125,7 +125,7 @@ constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
 // MXFP4 weights (fp4 below; fp4_weights.cuh): the B tile holds the packed E2M1 codes (kBlockN x
 // kBlockK / 2 bytes, 64B swizzle) and, after the token scales, the rows' E8M0 scales of the k-block
 // (kBlockN x 4 bytes); the math warpgroups convert it into an FP8 tile outside the ring (SmemPlan
-// fp4_tiles), so a stage carries half the weight bytes and twice the stages fit.
+// fp4_tile), so a stage carries half the weight bytes and more stages fit.
 constexpr int kFp4GroupSize = 32;  // input elements per E8M0 scale
 constexpr int kFp4ScaleBytesPerRow = kBlockK / kFp4GroupSize;  // a weight row's scales of one k-block
 constexpr int stage_scale_floats(int block_m) { return block_m + 4; }
@@ -135,8 +135,7 @@ constexpr int stage_bytes(int block_m, bool fp4) {
   return align_up(block_m * kBlockK + stage_b_bytes(fp4) + 4 * stage_scale_floats(block_m) +
                       stage_weight_scale_bytes(fp4), 1024);
 }
-// MXFP4 weights: the converted FP8 tiles (kBlockN x kBlockK, 128B swizzle) and their rows' scales
-// (float), one per k-block parity.
+// MXFP4 weights: the converted FP8 tile (kBlockN x kBlockK, 128B swizzle) and its rows' scales (float).
 constexpr int fp4_tile_bytes(bool fp4) { return fp4 ? kBlockN * kBlockK : 0; }
 constexpr int fp4_row_scale_bytes(bool fp4) { return fp4 ? kBlockN * 4 : 0; }
 // The BLOCK_M 64 / 128 epilogues' quad exchange in fast numerics (epilogue.cuh QuadLines): per math
@@ -148,7 +147,7 @@ constexpr int quad_line_bytes(int block_m, bool exact) { return (block_m < 64 ||
 constexpr int l1_token_bytes(int block_m, bool exact) { return exact ? block_m * kBlockK * 2 : 0; }
 
 struct SmemPlan {
-  int amax_exchange, tables, quad_lines, l1_token_scales, l1_tokens, fp4_row_scales, fp4_tiles, stages;
+  int amax_exchange, tables, quad_lines, l1_token_scales, l1_tokens, fp4_row_scales, fp4_tile, stages;
   int stage;  // bytes of one pipeline stage
   int bytes;  // sizeof(SharedStorage), without kSmemAlignSlack
 };
@@ -160,9 +159,9 @@ constexpr SmemPlan smem_plan(int block_m, int num_stages, int num_local_experts,
   s.quad_lines = align_up(s.tables + (3 * num_local_experts + 1) * 4, 16);  // int [3 E_l + 1]
   s.l1_token_scales = s.quad_lines + quad_line_bytes(block_m, exact);
   s.l1_tokens = align_up(s.l1_token_scales + (exact ? 2 * block_m * 4 : 0), 1024);  // float [2][BLOCK_M]
-  s.fp4_row_scales = s.l1_tokens + 2 * l1_token_bytes(block_m, exact);  // float [2][kBlockN]
-  s.fp4_tiles = align_up(s.fp4_row_scales + 2 * fp4_row_scale_bytes(fp4), 1024);
-  s.stages = s.fp4_tiles + 2 * fp4_tile_bytes(fp4);
+  s.fp4_row_scales = s.l1_tokens + 2 * l1_token_bytes(block_m, exact);  // float [kBlockN]
+  s.fp4_tile = align_up(s.fp4_row_scales + fp4_row_scale_bytes(fp4), 1024);
+  s.stages = s.fp4_tile + fp4_tile_bytes(fp4);
   s.stage = stage_bytes(block_m, fp4);
   s.bytes = s.stages + num_stages * s.stage;
   return s;

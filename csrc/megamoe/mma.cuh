@@ -240,15 +240,15 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
 // Promotion scales: per token (from the stage at sf_skew, like mma_tile) and per weight block
 // (`weight_scales(kb, wg)`: .x for rows r0, .y for rows r0 + 8; L2 passes the same scale in both),
 // or with MXFP4 weights per weight row, from the warpgroup's conversion of the stage (fp4_weights.cuh)
-// into the FP8 tile of the k-block's parity (StageView fp4_tile, fp4_row_scales: the stage's parity, since
-// MXFP4 variants have an even number of stages, so consecutive k-blocks alternate whatever the tile).
+// into its 128 rows of the FP8 tile (StageView fp4_tile, fp4_row_scales). One tile, not one per stage,
+// leaves the shared memory to stages (bytes in flight): the warpgroup's barrier after each k-block
+// keeps the next conversion behind every thread's reads of the last.
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                               uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
                                               int sf_skew, float* acc, WeightScales weight_scales) {
   constexpr int kN = Cfg::kBlockM, kFrag = kN / 2, kChunks = kN / 8;
   using Op = typename SwapWgmma<kN>::Op;
-  static_assert(!Cfg::kFp4Weights || Cfg::kNumStages % 2 == 0, "MXFP4 weights alternate two FP8 tiles by stage parity");
   float part[Cfg::kSwapSubTiles * kFrag];
 #pragma unroll
   for (int i = 0; i < Cfg::kAccFloats; ++i) acc[i] = 0.f;
@@ -262,8 +262,8 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
     mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
     const uint8_t* weights = sv.b(ps.stage);
     if constexpr (Cfg::kFp4Weights) {
-      uint8_t* tile = sv.fp4_tile(ps.stage & 1);
-      float* row_scales = sv.fp4_row_scales(ps.stage & 1);
+      uint8_t* tile = sv.fp4_tile();
+      float* row_scales = sv.fp4_row_scales();
       const int row = wg * Cfg::kWgN + Role::thread_in_warpgroup();
       fp4_convert_row(sv.b(ps.stage), sv.b_scale_codes(ps.stage), tile, row_scales, row);
       cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // the tile's stores -> WGMMA reads
@@ -302,6 +302,7 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
         acc[i * kFrag + 4 * c + j] += part[i * kFrag + 4 * c + j] * (sa[c][j] * sb[i].x);
         acc[i * kFrag + 4 * c + 2 + j] += part[i * kFrag + 4 * c + 2 + j] * (sa[c][j] * sb[i].y);
       });
+    if constexpr (Cfg::kFp4Weights) named_barrier_sync(kFp4ConvertBarrierId + wg, Cfg::kWgN);
     ps.advance<Cfg::kNumStages>();
   }
 }

@@ -30,16 +30,15 @@ struct StageView {
   __device__ uint32_t* b_scale_codes(int s) const {
     return reinterpret_cast<uint32_t*>(b(s) + Cfg::kStageB + Cfg::kStageScaleBytes);
   }
-  // MXFP4 weights: the FP8 tile of k-block parity `parity` and its rows' scales (SharedStorage
-  // fp4_tiles, fp4_row_scales), at constant offsets from the stages (no further pointer kept live).
-  __device__ uint8_t* fp4_tile(int parity) const {
-    return stages + (static_cast<int>(offsetof(SharedStorage<Cfg>, fp4_tiles)) -
-                     static_cast<int>(offsetof(SharedStorage<Cfg>, stages))) + parity * fp4_tile_bytes(true);
+  // MXFP4 weights: the converted FP8 tile and its rows' scales (SharedStorage fp4_tile,
+  // fp4_row_scales), at constant offsets from the stages (no further pointer kept live).
+  __device__ uint8_t* fp4_tile() const {
+    return stages + (static_cast<int>(offsetof(SharedStorage<Cfg>, fp4_tile)) -
+                     static_cast<int>(offsetof(SharedStorage<Cfg>, stages)));
   }
-  __device__ float* fp4_row_scales(int parity) const {
+  __device__ float* fp4_row_scales() const {
     return reinterpret_cast<float*>(stages + (static_cast<int>(offsetof(SharedStorage<Cfg>, fp4_row_scales)) -
-                                              static_cast<int>(offsetof(SharedStorage<Cfg>, stages)))) +
-           parity * Cfg::kBlockN;
+                                              static_cast<int>(offsetof(SharedStorage<Cfg>, stages))));
   }
 };
 
