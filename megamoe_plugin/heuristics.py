@@ -76,6 +76,12 @@ def check_weight_format(weights) -> str:
     return weights
 
 
+def check_weights_numerics(weights: str, numerics: Numerics) -> None:
+    """Refuses a weight format that the kernel does not run in this numerics mode (MXFP4 in exact)."""
+    if not implemented_block_m(numerics, weights):
+        raise ValueError(f"MXFP4 expert weights run in fast numerics only so far, not {numerics!r}")
+
+
 def implemented_block_m(numerics: Numerics, weights: str = "fp8") -> tuple:
     """The tiers the kernel implements in this numerics mode for this weight format (none for MXFP4
     weights in exact numerics, so far)."""

@@ -22,7 +22,7 @@ import torch
 
 from . import native, reports, validation
 from .buffer import SymmBuffer
-from .heuristics import DEFAULT_NUMERICS, Numerics
+from .heuristics import DEFAULT_NUMERICS, Numerics, check_weights_numerics
 from .jit import (KernelMissingError, compile_variant, compile_variants, missing_variants,
                   variants_to_compile)
 from .kernel_variant import KERNEL_NAME, NUM_THREADS, WINDOW_KERNEL_NAME, KernelVariant
@@ -324,6 +324,7 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
         validation.validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats,
                                  config_num_tokens, buf.take_staged_tokens() if isinstance(buf, SymmBuffer) else None)
         numerics = validation.resolve_numerics(numerics)
+        check_weights_numerics(weight_format(l1[0]), numerics)  # every rank refuses at once (_refuse_call)
         if _timeline is not None:
             validation.check_tensor(_timeline, "_timeline (ops.timeline_for)", torch.int64, _timeline_shape(buf),
                                     buf.device)

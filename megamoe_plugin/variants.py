@@ -51,11 +51,11 @@ def _mxfp4_variant_for(s, grid_size: int, num_tokens: int, fast_math: bool, nume
                        forced_block_m: Optional[int], forced_num_stages: Optional[int]) -> KernelVariant:
     """MXFP4 weights: the heuristic's tier among the swap-AB tiers the kernel runs them in, and as many
     stages as fit (the tuned tables are FP8 weights' and have no entry for them yet)."""
-    from .heuristics import default_num_stages, expected_tokens_per_expert, implemented_block_m, select_block_m
+    from .heuristics import (check_weights_numerics, default_num_stages, expected_tokens_per_expert,
+                             implemented_block_m, select_block_m)
 
+    check_weights_numerics("mxfp4", numerics)
     tiers = implemented_block_m(numerics, "mxfp4")
-    if not tiers:
-        raise ValueError(f"MXFP4 expert weights run in fast numerics only so far, not {numerics!r}")
     if forced_block_m is not None and forced_block_m not in tiers:
         raise ValueError(f"MEGAMOE_BLOCK_M={forced_block_m}: MXFP4 weights run tiers {tiers} so far")
     block_m = forced_block_m if forced_block_m is not None else select_block_m(
