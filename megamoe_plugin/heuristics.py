@@ -65,9 +65,9 @@ def check_numerics(numerics) -> Numerics:
 
 
 # The experts' weight formats (weights.weight_format): FP8 128x128 blocks, or MXFP4 read at 4 bits
-# (csrc/megamoe/config.cuh kFp4Weights), so far in the swap-AB tiers of fast numerics.
+# (csrc/megamoe/config.cuh kFp4Weights), so far at BLOCK_M 8-64 in fast numerics.
 WEIGHT_FORMATS = ("fp8", "mxfp4")
-_FP4_BLOCK_M = (8, 16, 32)
+_FP4_BLOCK_M = (8, 16, 32, 64)
 
 
 def check_weight_format(weights) -> str:

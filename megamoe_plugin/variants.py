@@ -49,7 +49,7 @@ def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math:
 
 def _mxfp4_variant_for(s, grid_size: int, num_tokens: int, fast_math: bool, numerics: Numerics,
                        forced_block_m: Optional[int], forced_num_stages: Optional[int]) -> KernelVariant:
-    """MXFP4 weights: the heuristic's tier among the swap-AB tiers the kernel runs them in, and as many
+    """MXFP4 weights: the heuristic's tier among the tiers the kernel runs them in, and as many
     stages as fit (the tuned tables are FP8 weights' and have no entry for them yet)."""
     from .heuristics import (check_weights_numerics, default_num_stages, expected_tokens_per_expert,
                              implemented_block_m, select_block_m)

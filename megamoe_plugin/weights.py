@@ -11,7 +11,7 @@ or MXFP4 (section 2, "FP4 experts"; megamoe_plugin.mxfp4), the rows the same:
     w2        uint8 [E_l, H, I/2]
     w2_scale  E8M0  [E_l, H, I/32]
 The reference and `transform_weights` take both; the kernel reads MXFP4 weights at 4 bits in the
-swap-AB tiers of fast numerics so far (csrc/megamoe/fp4_weights.cuh).
+tiers up to BLOCK_M 64 of fast numerics so far (csrc/megamoe/fp4_weights.cuh).
 
 Kernel layout produced by `transform_weights` (a pure permutation, bit-exact):
     w13_t       [E_l, 2I, H]: gate and up rows interleaved in runs of 8. For j < I/8,
@@ -22,12 +22,12 @@ Kernel layout produced by `transform_weights` (a pure permutation, bit-exact):
     w2_t, w2_scale_t: the checkpoint tensors, made contiguous.
 MXFP4 (`kernel_layout_shapes` gives every shape), in the kernel's tiles of 256 rows (abi.kBlockN)
 by 128 inputs, each tile's k-block in one piece: its 16 KB of codes one sequential read (TMA), its
-1 KB of scales one bulk copy (csrc/megamoe/pipeline.cuh load_b):
+1 KB of scales one bulk copy, both at the same tile index (csrc/megamoe/pipeline.cuh load_b):
     w13_t       uint8 [E_l, 2I/256, H/128, 256, 64]: [e, n, k] is the tile of (interleaved, as
                 above) rows [256n, 256n + 256) and inputs [128k, 128k + 128), row by row.
-    w13_scale_t uint8 [E_l, H/128, 2I, 4]: per k-block, each (interleaved) row's 4 E8M0 codes.
-    w2_t        uint8 [E_l, ceil(H/256), I/128, 256, 64]: the same tiles of w2's rows.
-    w2_scale_t  uint8 [E_l, I/128, H padded to a multiple of 256, 4].
+    w13_scale_t uint8 [E_l, 2I/256, H/128, 256, 4]: the same tiles of the rows' E8M0 codes.
+    w2_t        uint8 [E_l, ceil(H/256), I/128, 256, 64]: the same tiles of w2's rows,
+    w2_scale_t  uint8 [E_l, ceil(H/256), I/128, 256, 4]   and of their scales.
 Rows past H (a last tile of fewer rows) are zero: the tiles past H read them and drop their outputs.
 
 Why this layout:
@@ -74,47 +74,32 @@ def kernel_layout_shapes(weights: str, num_local_experts: int, hidden: int, inte
         padded_h = -(-h // rows) * rows
         return {"w13": ((el, 2 * i // rows, h // BLOCK, rows, BLOCK // 2), torch.uint8,
                         f"[E_local, 2I/{rows}, H/128, {rows}, 64]"),
-                "w13_scale": ((el, h // BLOCK, 2 * i, per_row), torch.uint8, f"[E_local, H/128, 2I, {per_row}]"),
+                "w13_scale": ((el, 2 * i // rows, h // BLOCK, rows, per_row), torch.uint8,
+                              f"[E_local, 2I/{rows}, H/128, {rows}, {per_row}]"),
                 "w2": ((el, padded_h // rows, i // BLOCK, rows, BLOCK // 2), torch.uint8,
                        f"[E_local, ceil(H/{rows}), I/128, {rows}, 64]"),
-                "w2_scale": ((el, i // BLOCK, padded_h, per_row), torch.uint8,
-                             f"[E_local, I/128, H padded to 256, {per_row}]")}
+                "w2_scale": ((el, padded_h // rows, i // BLOCK, rows, per_row), torch.uint8,
+                             f"[E_local, ceil(H/{rows}), I/128, {rows}, {per_row}]")}
     return {"w13": ((el, 2 * i, h), FP8_DTYPE, "[E_local, 2I, H]"),
             "w13_scale": ((el, i // BLOCK, 2, h // BLOCK), torch.float32, "[E_local, I/128, 2, H/128]"),
             "w2": ((el, h, i), FP8_DTYPE, "[E_local, H, I]"),
             "w2_scale": ((el, h // BLOCK, i // BLOCK), torch.float32, "[E_local, H/128, I/128]")}
 
 
-def _mxfp4_scales_by_k_block(scale: torch.Tensor, padded_rows: int) -> torch.Tensor:
-    """E8M0 codes [E, N, K/32] -> [E, K/128, N padded to padded_rows, 4] (zero padding rows)."""
-    codes = mxfp4.scale_bits(scale)
-    e, n, groups = codes.shape
-    per_row = BLOCK // mxfp4.MXFP4_GROUP
-    by_block = codes.reshape(e, n, groups // per_row, per_row).transpose(1, 2)
-    out = torch.zeros((e, groups // per_row, padded_rows, per_row), dtype=torch.uint8, device=codes.device)
-    out[:, :, :n] = by_block
-    return out
+def _in_tiles(rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[E, N, C] (a row's C bytes: chunk per k-block) -> [E, ceil(N/256), C/chunk, 256, chunk], the
+    padding rows zero."""
+    e, n, columns = rows.shape
+    tile_rows = abi.kBlockN
+    padded = torch.zeros((e, -(-n // tile_rows) * tile_rows, columns), dtype=torch.uint8, device=rows.device)
+    padded[:, :n] = rows
+    return padded.reshape(e, -1, tile_rows, columns // chunk, chunk).transpose(2, 3).contiguous()
 
 
-def _mxfp4_tiles(packed: torch.Tensor) -> torch.Tensor:
-    """Packed codes [E, N, K/2] -> [E, ceil(N/256), K/128, 256, 64] (zero padding rows)."""
-    e, n, half_k = packed.shape
-    rows = abi.kBlockN
-    padded = torch.zeros((e, -(-n // rows) * rows, half_k), dtype=torch.uint8, device=packed.device)
-    padded[:, :n] = packed
-    return (padded.reshape(e, -1, rows, half_k // (BLOCK // 2), BLOCK // 2).transpose(2, 3).contiguous())
-
-
-def _mxfp4_rows(tiles: torch.Tensor, rows: int) -> torch.Tensor:
-    """Inverse of _mxfp4_tiles: [E, N/256, K/128, 256, 64] -> [E, rows, K/2]."""
-    e, blocks, k_blocks, tile_rows, half = tiles.shape
-    return tiles.transpose(2, 3).reshape(e, blocks * tile_rows, k_blocks * half)[:, :rows].contiguous()
-
-
-def _mxfp4_scales_by_row(scale_t: torch.Tensor, rows: int) -> torch.Tensor:
-    """Inverse of _mxfp4_scales_by_k_block: [E, K/128, padded, 4] -> [E, rows, K/32]."""
-    e, blocks, _, per_row = scale_t.shape
-    return scale_t[:, :, :rows].transpose(1, 2).reshape(e, rows, blocks * per_row).contiguous()
+def _from_tiles(tiles: torch.Tensor, rows: int) -> torch.Tensor:
+    """Inverse of _in_tiles: [E, N/256, C/chunk, 256, chunk] -> [E, rows, C]."""
+    e, blocks, k_blocks, tile_rows, chunk = tiles.shape
+    return tiles.transpose(2, 3).reshape(e, blocks * tile_rows, k_blocks * chunk)[:, :rows].contiguous()
 
 
 def dequantize_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -272,10 +257,9 @@ def transform_weights(l1: WeightPair, l2: WeightPair,
                 .transpose(1, 2).reshape(num_local_experts, 2 * intermediate, columns).contiguous())
 
     if packed:
-        w13_scale_t = _mxfp4_scales_by_k_block(interleave(mxfp4.scale_bits(w13_scale)), 2 * intermediate)
-        w2_scale_t = _mxfp4_scales_by_k_block(w2_scale, kernel_layout_shapes("mxfp4", 1, hidden, intermediate)
-                                              ["w2_scale"][0][2])
-        return (_mxfp4_tiles(interleave(w13)), w13_scale_t), (_mxfp4_tiles(w2), w2_scale_t)
+        per_row = BLOCK // mxfp4.MXFP4_GROUP
+        return ((_in_tiles(interleave(w13), BLOCK // 2), _in_tiles(interleave(mxfp4.scale_bits(w13_scale)), per_row)),
+                (_in_tiles(w2, BLOCK // 2), _in_tiles(mxfp4.scale_bits(w2_scale), per_row)))
     w13_t = interleave(w13)
     # [E, (gate|up), I/128, H/128] -> [E, I/128, (gate|up), H/128]
     w13_scale_t = (w13_scale.reshape(num_local_experts, 2, intermediate // BLOCK, hidden // BLOCK)
@@ -296,9 +280,9 @@ def untransform_weights(l1: WeightPair, l2: WeightPair) -> Tuple[WeightPair, Wei
                 .transpose(1, 2).reshape(num_local_experts, 2 * intermediate, columns).contiguous())
 
     if weight_format(w13_t) == "mxfp4":
-        w13_scale = deinterleave(_mxfp4_scales_by_row(w13_scale_t, 2 * intermediate))
-        return ((deinterleave(_mxfp4_rows(w13_t, 2 * intermediate)), w13_scale),
-                (_mxfp4_rows(w2, hidden), _mxfp4_scales_by_row(w2_scale, hidden)))
+        return ((deinterleave(_from_tiles(w13_t, 2 * intermediate)),
+                 deinterleave(_from_tiles(w13_scale_t, 2 * intermediate))),
+                (_from_tiles(w2, hidden), _from_tiles(w2_scale, hidden)))
     w13 = deinterleave(w13_t)
     w13_scale = (w13_scale_t.transpose(1, 2)
                  .reshape(num_local_experts, 2 * intermediate // BLOCK, hidden // BLOCK).contiguous())

@@ -30,8 +30,8 @@ struct KernelConfig {
   static constexpr bool kWindowed = kWindowed_;
   // MXFP4 expert weights (docs/design.md section 2, "FP4 experts"; fp4_weights.cuh): the stages carry
   // the packed E2M1 codes and their E8M0 scales, half the bytes of FP8 weights, and each math
-  // warpgroup converts its 128 rows of a k-block into an FP8 tile before its WGMMAs. So far in the
-  // swap-AB tiers of fast numerics, where a warpgroup's WGMMAs read only the rows it converted.
+  // warpgroup converts its 128 rows of a k-block into an FP8 tile before its WGMMAs. So far in fast
+  // numerics at BLOCK_M 8-64, where a warpgroup's WGMMAs read only the rows it converted.
   static constexpr bool kFp4Weights = kFp4Weights_;
 
   // A GEMM tile is BLOCK_M pool rows x 256 weight rows x 128 (K). Exact L1 is always swap-AB on
@@ -133,7 +133,8 @@ struct KernelConfig {
                 "a rebalanced tier's GEMM waits must all unwind (pipeline.cuh gemm_wait): only mma_tile's do");
   static_assert(kNumExperts % kNumRanks == 0, "E must be a multiple of R");
   static_assert(kNumStages >= 2, "need at least two pipeline stages");
-  static_assert(!kFp4Weights || (kFp8SwapAB && !kExactL1), "MXFP4 weights: the swap-AB tiers of fast numerics so far");
+  static_assert(!kFp4Weights || (kWgHalves == 1 && !kExactL1),
+                "MXFP4 weights: BLOCK_M 8-64 in fast numerics so far (each warpgroup reads only the rows it converts)");
 };
 
 }  // namespace megamoe

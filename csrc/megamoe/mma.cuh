@@ -118,8 +118,9 @@ struct MmaBatching {
   static constexpr int kPartFloats = kBatchRows / 2;  // m64nBATCH fragment per thread
   // The last batch of a k-block stays in flight across the next k-block's barrier wait, except
   // with fast_math=False: its IEEE divisions call out of line, and with a batch carried over
-  // ptxas spills around those calls (at BLOCK_M 64), so those variants drain each k-block.
-  static constexpr bool kCarryAcrossKBlocks = kPipelined && Cfg::kFastMath;
+  // ptxas spills around those calls (at BLOCK_M 64), so those variants drain each k-block; and with
+  // MXFP4 weights, whose next k-block's conversion overwrites the tile and row scales it reads.
+  static constexpr bool kCarryAcrossKBlocks = kPipelined && Cfg::kFastMath && !Cfg::kFp4Weights;
   using Op = std::conditional_t<kBatchRows == 64, cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>,
                                 cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>>;
 };
@@ -138,7 +139,8 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
   constexpr bool kUniformIndices = Cfg::kBlockM == 128;
   const int wg = kUniformIndices ? warp_uniform(math_wg) : math_wg;
   const int row0 = Cfg::wg_first_row(wg);
-  // The promotion scales of one k-block: the rows' (sa) and the halves' weight blocks (sb).
+  // The promotion scales of one k-block: the rows' (sa) and the halves' weight blocks (sb; MXFP4
+  // weights: per column, from the converted tile's row scales instead).
   struct KBlockScales {
     float sa[2];
     float2 sb[kHalves];
@@ -146,14 +148,23 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
   // One flat array: a two-dimensional one makes ptxas spill (exact BLOCK_M 64, fast_math=False).
   float parts[B::kParts * kPartFloats];
   const auto part = [&](int i) { return parts + (i % B::kParts) * kPartFloats; };
+  // MXFP4 weights: the converted tile's row scales (fp4_weights.cuh), one per fragment column.
+  const float* fp4_row_scales = Cfg::kFp4Weights ? sv.fp4_row_scales() : nullptr;
   const auto promote = [&](int batch, const float* from, const KBlockScales& s) {
     const int h = batch * B::kBatchRows / Cfg::kWgN;
     float* to = acc + batch * kPartFloats;
 #pragma unroll
     for (int c = 0; c < kPartFloats / 4; ++c) {
-      const float sb = (c % 2 == 0) ? s.sb[h].x : s.sb[h].y;
+      if constexpr (Cfg::kFp4Weights) {  // the batch's weight rows b_row + 8c + 2q + {0, 1}
+        const int b_row = Cfg::wg_weight_block(wg, h) * Cfg::kWgN + (batch * B::kBatchRows) % Cfg::kWgN;
+        const float2 sb = *reinterpret_cast<const float2*>(fp4_row_scales + b_row + 8 * c + 2 * fc.q);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) to[4 * c + i] += from[4 * c + i] * (s.sa[i / 2] * sb);
+        for (int i = 0; i < 4; ++i) to[4 * c + i] += from[4 * c + i] * (s.sa[i / 2] * (i % 2 == 0 ? sb.x : sb.y));
+      } else {
+        const float sb = (c % 2 == 0) ? s.sb[h].x : s.sb[h].y;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) to[4 * c + i] += from[4 * c + i] * (s.sa[i / 2] * sb);
+      }
     }
   };
   // Every math thread arrives once its own reads of the stage (WGMMA operands, token scales) are
@@ -177,9 +188,11 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
   int prev_stage = 0;
   for (int kb = 0; kb < kNumKBlocks; ++kb) {
     KBlockScales cur;
+    if constexpr (!Cfg::kFp4Weights) {
 #pragma unroll
-    for (int h = 0; h < kHalves; ++h)  // issued before the barrier wait: the wait hides their latency
-      cur.sb[h] = weight_scales(kb, Cfg::wg_weight_block(wg, h));
+      for (int h = 0; h < kHalves; ++h)  // issued before the barrier wait: the wait hides their latency
+        cur.sb[h] = weight_scales(kb, Cfg::wg_weight_block(wg, h));
+    }
     const uint32_t wait_start = TileClock::tile_clock();
     const bool stage_full = gemm_wait<Cfg>(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
     if constexpr (kTimeline) full_wait += TileClock::tile_clock() - wait_start;
@@ -190,6 +203,15 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
       return false;
     }
     const int stage = kUniformIndices ? warp_uniform(ps.stage) : ps.stage;
+    const uint8_t* weights = sv.b(stage);
+    if constexpr (Cfg::kFp4Weights) {  // this warpgroup's 128 rows, as in mma_tile_swap
+      static_assert(kHalves == 1, "MXFP4 weights: each warpgroup converts the rows its WGMMAs read");
+      fp4_convert_row(sv.b(stage), sv.b_scale_codes(stage), sv.fp4_tile(), sv.fp4_row_scales(),
+                      wg * Cfg::kWgN + Role::thread_in_warpgroup());
+      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+      named_barrier_sync(kFp4ConvertBarrierId + wg, Cfg::kWgN);
+      weights = sv.fp4_tile();
+    }
     const float* sa = sv.a_scales(stage) + sf_skew + row0 + fc.r0;
 #pragma unroll
     for (int i = 0; i < 2; ++i) cur.sa[i] = sa[8 * i];
@@ -199,7 +221,7 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
       float* mine = part(b);
       const int b_row = Cfg::wg_weight_block(wg, b * B::kBatchRows / Cfg::kWgN) * Cfg::kWgN +
                         (b * B::kBatchRows) % Cfg::kWgN;
-      const uint64_t desc_b = make_smem_desc(sv.b(stage) + b_row * Cfg::kBlockK);
+      const uint64_t desc_b = make_smem_desc(weights + b_row * Cfg::kBlockK);
       fence_operands<kPartFloats>(mine);
       cute::warpgroup_arrive();
 #pragma unroll
@@ -227,6 +249,8 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
     }
     if constexpr (B::kParts == 2 && !B::kCarryAcrossKBlocks) drain_last(cur, ps.stage);
     if constexpr (B::kCarryAcrossKBlocks) prev = cur, prev_stage = ps.stage;
+    // MXFP4: every thread's reads of the tile and its row scales are done before the next conversion.
+    if constexpr (Cfg::kFp4Weights) named_barrier_sync(kFp4ConvertBarrierId + wg, Cfg::kWgN);
     ps.advance<Cfg::kNumStages>();
   }
   if constexpr (B::kCarryAcrossKBlocks) drain_last(prev, prev_stage);

@@ -51,8 +51,8 @@ struct KernelParams {
   int* l1_done;
   // This rank's signals[kSigL2TilesClaimed], in a slot of its own for the producer's few registers (Cfg::kProducerRegisters).
   uint32_t* l2_tiles_claimed;
-  // FP8 weights: float block scales; MXFP4 weights: E8M0 codes [E_l, k-blocks, rows padded to 256, 4]
-  // (weights.py; pipeline.cuh load_b reads them as bytes).
+  // FP8 weights: float block scales; MXFP4 weights: E8M0 codes in the weights' tiles
+  // [E_l, n-blocks, k-blocks, 256, 4] (weights.py; pipeline.cuh load_b reads them as bytes).
   const float* w13_scale;  // [E_l, I/128, 2, H/128]  (transformed: gate, up per 128 outputs)
   const float* w2_scale;   // [E_l, H/128, I/128]
 

@@ -100,25 +100,34 @@ __device__ __forceinline__ void load_a(const KernelParams& p, const StageView<Cf
                            sf_pool + (int64_t)kb * p.pool_capacity + staged_scale_row(row_a), Cfg::kStageScaleBytes, bar);
 }
 
-// Loads k-block kb of a tile's B rows (weight rows n_block * kBlockN, .. + kBlockN of `expert` in the
-// phase's weights) into stage s. MXFP4 weights: the tile's k-block of packed codes, which the kernel
-// layout keeps in one piece (weights.py: [E_l][n-block][k-block][256 rows][64 bytes], so TMA reads it
-// sequentially), and its rows' scale codes by a bulk copy ([E_l][k-block][rows, padded to kBlockN][4]).
+// The first B row of a tile's weights (FP8), or the index of its first k-block among the weights'
+// tiles (MXFP4: weights.py lays them out [E_l][n-block][k-block][256 rows][64 bytes], and their scale
+// codes [..][256 rows][4], so that a tile's k-block is one sequential read of each).
 template <class Cfg, bool kIsL2>
-__device__ __forceinline__ void load_b(const KernelParams& p, const StageView<Cfg>& sv, int s, const CUtensorMap* tmap_b,
-                                       int kb, int expert, int n_block, uint64_t* bar) {
+__device__ __forceinline__ int b_base_of(const Tile& t) {
   if constexpr (Cfg::kFp4Weights) {
     constexpr int kNumKBlocks = kIsL2 ? Cfg::kL2NumKBlocks : Cfg::kL1NumKBlocks;
     constexpr int kNumNBlocks = kIsL2 ? Cfg::kL2NumNBlocks : Cfg::kL1NumNBlocks;
-    const int tile_k_block = (expert * kNumNBlocks + n_block) * kNumKBlocks + kb;
+    return (t.expert * kNumNBlocks + t.n_block) * kNumKBlocks;
+  } else {
+    return t.expert * (kIsL2 ? Cfg::kHidden : 2 * Cfg::kInter) + t.n_block * Cfg::kBlockN;
+  }
+}
+
+// Loads k-block kb of a tile's B rows (b_base_of the tile) into stage s: FP8 weights by TMA; MXFP4
+// weights the tile's k-block of packed codes by TMA and of scale codes by a bulk copy.
+template <class Cfg, bool kIsL2>
+__device__ __forceinline__ void load_b(const KernelParams& p, const StageView<Cfg>& sv, int s, const CUtensorMap* tmap_b,
+                                       int kb, int b_base, uint64_t* bar) {
+  if constexpr (Cfg::kFp4Weights) {
+    const int tile_k_block = b_base + kb;
     tma_load_2d(sv.b(s), tmap_b, 0, tile_k_block * Cfg::kBlockN, bar);
     const uint8_t* codes = reinterpret_cast<const uint8_t*>(kIsL2 ? p.w2_scale : p.w13_scale) +
-                           (((int64_t)expert * kNumKBlocks + kb) * kNumNBlocks + n_block) * Cfg::kBlockN * kFp4ScaleBytesPerRow;
+                           (int64_t)tile_k_block * Cfg::kStageWeightScaleBytes;
     cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, sv.b_scale_codes(s), codes,
                              Cfg::kStageWeightScaleBytes, bar);
   } else {
-    constexpr int kRowsPerExpert = kIsL2 ? Cfg::kHidden : 2 * Cfg::kInter;
-    tma_load_2d(sv.b(s), tmap_b, kb * Cfg::kBlockK, expert * kRowsPerExpert + n_block * Cfg::kBlockN, bar);
+    tma_load_2d(sv.b(s), tmap_b, kb * Cfg::kBlockK, b_base, bar);
   }
 }
 
@@ -239,6 +248,7 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
     if (tile >= num_tiles) break;
     const Tile t = sched.decode(tile);
     const int row_a = sched.tables.exp_start[t.expert] + t.m_block * Cfg::kBlockM;
+    const int b_base = b_base_of<Cfg, kIsL2>(t);
     int kb = 0;
     const int gm = global_m_block<Cfg>(sched.tables, t);
     const bool ready = kIsL2 ? l1_rows_ready<Cfg>(l1_done, gm) : pulled_rows_ready<Cfg>(p, base, sched.tables, t);
@@ -246,7 +256,7 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
       PipelineState ahead = ps;
       for (int i = 0; i < kPrefetch; ++i) {
         if (!gemm_wait<Cfg>(p, &empty[ahead.stage], ahead.phase ^ 1, kErrPipelineEmptyTimeout)) return false;
-        load_b<Cfg, kIsL2>(p, sv, ahead.stage, tmap_b, i, t.expert, t.n_block, &full[ahead.stage]);
+        load_b<Cfg, kIsL2>(p, sv, ahead.stage, tmap_b, i, b_base, &full[ahead.stage]);
         ahead.advance<Cfg::kNumStages>();
       }
       const uint64_t arrival_start = timeline_clock();
@@ -268,7 +278,7 @@ __device__ bool produce_tiles(const KernelParams& p, uint8_t* base, const TileSc
         if (bar == nullptr) return false;
       }
       load_a<Cfg>(p, sv, ps.stage, tmap_a, sf_pool, kb, row_a, bar);
-      load_b<Cfg, kIsL2>(p, sv, ps.stage, tmap_b, kb, t.expert, t.n_block, bar);
+      load_b<Cfg, kIsL2>(p, sv, ps.stage, tmap_b, kb, b_base, bar);
       ps.advance<Cfg::kNumStages>();
     }
     tile = kIsL2 ? queue.claim(p, sched.tables) : tile + static_cast<int>(gridDim.x);
