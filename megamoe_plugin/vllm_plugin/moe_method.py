@@ -161,6 +161,12 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOP()
 
+    def moe_problem_size(self, a1, w1, w2, topk_ids):
+        """(E_local, M, N, K, top-k) from the layer's shape: MXFP4 weights in the kernel's tiles are
+        5-D, which vLLM's default (read off 3-D weights) refuses."""
+        rt = self.runtime
+        return w1.shape[0], a1.size(0), 2 * rt.intermediate, a1.size(-1), topk_ids.size(1)
+
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
                          activation):
         return (0,), (0,), (M, K)
@@ -250,14 +256,16 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
         """Checkpoint layout -> kernel layout in place of the parameters' data, with the layer's shared
         experts where the kernel can run them (shared_experts.take_from_runner), then the kernel."""
         import megamoe_plugin as mm
+        from megamoe_plugin.weights import weight_format
 
-        w13, s13 = layer.w13_weight, layer.w13_weight_scale_inv
-        w2, s2 = layer.w2_weight, layer.w2_weight_scale_inv
-        if s13.dim() == 3:  # checkpoint layout (a second call finds the kernel layout: 4-D w13 scales)
+        w13, s13 = layer.w13_weight, getattr(layer, f"w13_{self.scale_name}")
+        w2, s2 = layer.w2_weight, getattr(layer, f"w2_{self.scale_name}")
+        if s13.dim() == 3:  # checkpoint layout (a second call finds the kernel layout: 4-D or 5-D w13 scales)
             rt = self.runtime
             shared = shared_experts.take_from_runner(self._runners.get(layer.layer_name), self.moe,
                                                      rt.activation_clamp, rt.group.world_size, rt.num_experts,
-                                                     rt.max_tokens, rt.topk, rt.hidden, rt.intermediate)
+                                                     rt.max_tokens, rt.topk, rt.hidden, rt.intermediate,
+                                                     weight_format(w13.data))
             l1, l2 = mm.transform_weights((w13.data, s13.data), (w2.data, s2.data),
                                           shared=None if shared is None else shared.weights)
             # Rebind, never copy: the old storages are released here; the parameters (and with them
@@ -276,10 +284,13 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
         self.moe_kernel = mk.FusedMoEKernel(MegaMoEPrepareAndFinalize(), self.experts)
         refusals.check_kernel_attribute(self, built=True)
 
+    # The layer's scale parameters: w13_<scale_name>, w2_<scale_name>.
+    scale_name = "weight_scale_inv"
+
     def get_fused_moe_quant_config(self, layer):
         return fp8_w8a8_moe_quant_config(
-            w1_scale=layer.w13_weight_scale_inv,
-            w2_scale=layer.w2_weight_scale_inv,
+            w1_scale=getattr(layer, f"w13_{self.scale_name}"),
+            w2_scale=getattr(layer, f"w2_{self.scale_name}"),
             a1_scale=None,
             a2_scale=None,
             block_shape=list(self.weight_block_size),
@@ -347,9 +358,22 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
 
 class MegaMoEMxfp4MoEMethod(MegaMoEFp8MoEMethod):
     """MXFP4 experts (DeepSeek-V4-Flash's routed experts: E2M1 codes, one E8M0 scale per 32 input values)
-    on the same kernel: loaded as vLLM's MXFP4 method lays them out, then re-encoded exactly as the FP8
-    128x128 blocks the kernel reads (megamoe_plugin.mxfp4.to_fp8_blocks, which names a block that does
-    not fit), so they run at FP8, not FP4, bandwidth."""
+    on the same kernel, loaded as vLLM's MXFP4 method lays them out. In fast numerics the kernel reads
+    them at 4 bits (weights.transform_weights lays them out for it; the layer's shared experts, FP8,
+    then run beside the call). In exact numerics (VLLM_BATCH_INVARIANT=1), which the kernel does not run
+    on MXFP4 weights yet, they are re-encoded exactly as the FP8 128x128 blocks the kernel reads
+    (megamoe_plugin.mxfp4.to_fp8_blocks, which names a block that does not fit) and run at FP8 bandwidth."""
+
+    @property
+    def reads_fp4(self) -> bool:
+        from megamoe_plugin.heuristics import implemented_block_m
+        from megamoe_plugin.validation import resolve_numerics
+
+        return bool(implemented_block_m(resolve_numerics(self.runtime.numerics), "mxfp4"))
+
+    @property
+    def scale_name(self) -> str:
+        return "weight_scale" if self.reads_fp4 else "weight_scale_inv"
 
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
@@ -369,10 +393,11 @@ class MegaMoEMxfp4MoEMethod(MegaMoEFp8MoEMethod):
         layer.w2_input_scale = None
 
     def process_weights_after_loading(self, layer) -> None:
-        """MXFP4 -> FP8 128x128 blocks (exact), then the FP8 method's kernel layout."""
+        """The FP8 method's kernel layout, of the MXFP4 weights (fast numerics) or of their exact FP8
+        128x128 blocks (exact numerics)."""
         from megamoe_plugin.mxfp4 import to_fp8_blocks
 
-        if layer.w13_weight.dtype == torch.uint8:  # a second call finds FP8 weights already
+        if not self.reads_fp4 and layer.w13_weight.dtype == torch.uint8:  # a second call finds FP8 weights
             for stem in ("w13", "w2"):
                 weight = getattr(layer, f"{stem}_weight")
                 codes, block_scales = to_fp8_blocks(weight.data, getattr(layer, f"{stem}_weight_scale").data)

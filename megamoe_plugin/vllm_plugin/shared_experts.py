@@ -95,8 +95,11 @@ def _block_fp8_linear(linear, rows: int, cols: int) -> Optional[str]:
 
 
 def _why_not(runner, mlp, moe_config, activation_clamp: Optional[float], hidden: int,
-             intermediate: int) -> Optional[str]:
+             intermediate: int, routed_format: str) -> Optional[str]:
     """Why the kernel cannot run this layer's shared experts, or None."""
+    if routed_format != "fp8":
+        return (f"the routed experts are {routed_format.upper()} read at 4 bits and the shared experts FP8 "
+                "blocks: one call reads one weight format")
     if getattr(runner, "shared_expert_gate", None) is not None:
         return "they are gated (a sigmoid gate scales their output per token; the kernel has no such gate)"
     if getattr(runner, "routed_input_transform", None) is not None or \
@@ -122,15 +125,17 @@ def _why_not(runner, mlp, moe_config, activation_clamp: Optional[float], hidden:
 
 
 def take_from_runner(runner, moe_config, activation_clamp: Optional[float], num_ranks: int, num_experts: int,
-                     max_tokens: int, topk: int, hidden: int, intermediate: int) -> Optional[KernelSharedExperts]:
+                     max_tokens: int, topk: int, hidden: int, intermediate: int,
+                     routed_format: str = "fp8") -> Optional[KernelSharedExperts]:
     """The shared experts of the MoE runner `runner` for the kernel, detached from the runner and
     their MLP's storage released; None (the runner keeps them) where it has none or the kernel cannot
-    take them (logged once per reason)."""
+    take them (logged once per reason), e.g. beside routed experts of another weight format
+    (`routed_format`, weights.weight_format)."""
     wrapper = getattr(runner, "_shared_experts", None)
     mlp = getattr(wrapper, "_layer", None)
     if mlp is None:
         return None
-    reason = _why_not(runner, mlp, moe_config, activation_clamp, hidden, intermediate)
+    reason = _why_not(runner, mlp, moe_config, activation_clamp, hidden, intermediate, routed_format)
     if reason is None:
         num_shared = mlp.gate_up_proj.weight.shape[0] // (2 * intermediate)
         try:

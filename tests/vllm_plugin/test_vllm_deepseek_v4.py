@@ -1,8 +1,9 @@
 """DeepSeek-V4 checkpoints on megamoe_sm90 in real vLLM on a CPU: the plugin's `deepseek_v4_fp8`
 config hands a MoE layer whose routed experts are MXFP4 (expert_dtype "fp4") a method that loads
-them in vLLM's MXFP4 layout and re-encodes them exactly as the FP8 blocks the kernel reads. The
-forward runs the float32 reference executor, checked against a torch MoE over the weights as vLLM's
-own MXFP4 dequantization gives them."""
+them in vLLM's MXFP4 layout and keeps them at 4 bits in the kernel's layout (fast numerics), or
+re-encodes them exactly as the FP8 blocks the kernel reads (exact numerics). The forward runs the
+float32 reference executor, checked against a torch MoE over the weights as vLLM's own MXFP4
+dequantization gives them."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,11 +70,15 @@ def test_v4_lookup_is_the_plugins_config_over_vllms(registered):
     assert cls.get_name() == "deepseek_v4_fp8"
 
 
-def test_mxfp4_experts_load_and_run_as_fp8_blocks(vllm_config, dist_env, reference_executor):
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_mxfp4_experts_load_and_run(vllm_config, dist_env, reference_executor, monkeypatch, numerics):
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
     from megamoe_plugin.vllm_plugin.moe_method import MegaMoEMxfp4MoEMethod
+    from megamoe_plugin.weights import kernel_layout_shapes
+
+    monkeypatch.setenv("MEGAMOE_NUMERICS", numerics)
 
     runner = build_moe(vllm_config, quant_config=_v4_quant_config())
     ex = runner.routed_experts
@@ -83,7 +88,12 @@ def test_mxfp4_experts_load_and_run_as_fp8_blocks(vllm_config, dist_env, referen
     loaded = {n.split(".")[-1] for n in runner.load_weights(named)}
     assert loaded == {"w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"}
     ex.quant_method.process_weights_after_loading(ex)
-    assert ex.w13_weight.dtype == torch.float8_e4m3fn and not hasattr(ex, "w13_weight_scale")
+    if numerics == "fast":  # at 4 bits, in the kernel's tiles
+        want_shape = kernel_layout_shapes("mxfp4", NUM_EXPERTS, HIDDEN, INTERMEDIATE)["w13"][0]
+        assert ex.w13_weight.dtype == torch.uint8 and tuple(ex.w13_weight.shape) == want_shape
+        assert ex.w13_weight_scale.dim() == 5 and not hasattr(ex, "w13_weight_scale_inv")
+    else:  # the exact FP8 blocks
+        assert ex.w13_weight.dtype == torch.float8_e4m3fn and not hasattr(ex, "w13_weight_scale")
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(5, HIDDEN, generator=g) * torch.exp(torch.randn(5, 1, generator=g))).to(torch.bfloat16)
     logits = torch.randn(5, NUM_EXPERTS, generator=g)

@@ -198,6 +198,20 @@ def test_an_unlisted_linear_kernel_keeps_the_shared_experts_with_vllm(vllm_confi
     assert any("linear kernel Repacking" in line for line in warnings_logged)
 
 
+def test_shared_experts_beside_mxfp4_routed_experts_stay_with_vllm(vllm_config, dist_env, reference_executor,
+                                                                   block_fp8_linears, warnings_logged):
+    """Routed experts read at 4 bits (MXFP4) and FP8 shared experts: one call reads one weight format,
+    so the runner keeps its shared experts and says why."""
+    from megamoe_plugin.vllm_plugin import shared_experts
+
+    mlp, _ = _shared_mlp(vllm_config, 1, seed=51)
+    runner = build_moe(vllm_config, shared_experts=mlp)
+    taken = shared_experts.take_from_runner(runner, None, None, 1, NUM_EXPERTS, 64, TOPK, HIDDEN, INTERMEDIATE,
+                                            routed_format="mxfp4")
+    assert taken is None and runner.shared_experts is not None
+    assert any("routed experts are MXFP4" in line for line in warnings_logged)
+
+
 def test_split_mlp_is_the_same_function():
     """One SwiGLU MLP of S*I equals the sum of its S channel-slice experts (in float32, exactly up to
     summation order)."""
