@@ -251,7 +251,7 @@ def _load_for_calls(buf: SymmBuffer, l1: WeightPair, l2: WeightPair, num_tokens_
         if v not in variants:
             variants.append(v)
     _raise_if_not_buildable(buf, [v for v in variants if (buf.device.index, v) not in _kernels], num_tokens_list,
-                            numerics, fast_math)
+                            numerics, fast_math, weights)
     load_kernels(variants, buf.device)
     for layer_l1, layer_l2 in [(l1, l2), *other_layers]:
         for block_m in dict.fromkeys(v.block_m for v in variants):
@@ -281,7 +281,7 @@ def _agree_on_warmup(buf: SymmBuffer, failed: bool) -> None:
 
 
 def _raise_if_not_buildable(buf: SymmBuffer, variants, num_tokens_list: List[int], numerics: Numerics,
-                            fast_math: bool) -> None:
+                            fast_math: bool, weights: str) -> None:
     """KernelMissingError, before anything is compiled, naming every variant that is neither
     in the cache nor compilable here (no nvcc) and the --build command for these calls."""
     unbuildable, why = missing_variants(variants)
@@ -289,7 +289,8 @@ def _raise_if_not_buildable(buf: SymmBuffer, variants, num_tokens_list: List[int
         s = buf.shape
         raise KernelMissingError(unbuildable, why, build_command(
             s.hidden, s.intermediate_size, s.num_routed_experts, s.num_routed_topk, s.num_ranks, num_tokens_list,
-            _device_name(buf.device), (numerics,), fast_math, num_shared_experts=s.num_shared_experts))
+            _device_name(buf.device), (numerics,), fast_math, num_shared_experts=s.num_shared_experts,
+            weights=weights))
 
 
 def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer,

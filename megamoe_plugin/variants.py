@@ -72,26 +72,29 @@ _ANY_GRID_SIZE = 132
 
 
 def deployment_variants(shape: MoEShape, ep_size: int, batch_sizes: Iterable[int], gpu: str,
-                        numerics: Sequence[str] = NUMERICS_MODES, fast_math: bool = True) -> List[KernelVariant]:
+                        numerics: Sequence[str] = NUMERICS_MODES, fast_math: bool = True,
+                        weights: str = "fp8") -> List[KernelVariant]:
     """Every variant the calls of `shape` on `ep_size` ranks select on `gpu` at each batch
-    size (tokens per rank), in each numerics mode; MEGAMOE_BLOCK_M and MEGAMOE_NUM_STAGES
-    apply as at run time. The shape's shared experts count as the kernel's (BufferShape.of_routed:
+    size (tokens per rank), in each numerics mode, for experts of format `weights`
+    (weights.weight_format); MEGAMOE_BLOCK_M and MEGAMOE_NUM_STAGES apply as at run time. The shape's shared experts count as the kernel's (BufferShape.of_routed:
     S more experts per rank, S more slots per token). Raises ValueError for a shape the kernel
     does not take."""
     counts = sorted(set(int(n) for n in batch_sizes))
     buffer_shape = BufferShape.of_routed(ep_size, shape.num_experts, max(counts[-1], 1), shape.num_topk, shape.hidden,
                                          shape.intermediate_size, num_shared_experts=shape.num_shared_experts)
     forced = (forced_block_m(), forced_num_stages())
-    return list(dict.fromkeys(variant_for(buffer_shape, gpu, _ANY_GRID_SIZE, n, fast_math, mode, *forced)
+    return list(dict.fromkeys(variant_for(buffer_shape, gpu, _ANY_GRID_SIZE, n, fast_math, mode, *forced, weights)
                               for mode in numerics for n in counts))
 
 
 def build_variants_for(shape: MoEShape, ep_size: int, batch_sizes: Iterable[int], gpu: str,
-                       numerics: Sequence[str] = NUMERICS_MODES, fast_math: bool = True) -> List[KernelVariant]:
+                       numerics: Sequence[str] = NUMERICS_MODES, fast_math: bool = True,
+                       weights: str = "fp8") -> List[KernelVariant]:
     """What `jit --build` compiles for a model: deployment_variants, and for a model with shared
     experts those of its routed-only calls too. A framework runs the shared experts in the kernel's
     call where it hands them over (vLLM, DeepSeek-family layers), beside it otherwise (SGLang; forms
     the kernel cannot take), and the cache must serve either."""
     shapes = dict.fromkeys((shape, dataclasses.replace(shape, num_shared_experts=0)))
     return list(dict.fromkeys(variant for each in shapes
-                              for variant in deployment_variants(each, ep_size, batch_sizes, gpu, numerics, fast_math)))
+                              for variant in deployment_variants(each, ep_size, batch_sizes, gpu, numerics, fast_math,
+                                                                 weights)))

@@ -1,13 +1,17 @@
 """MXFP4 expert weights on their way to the kernel (CPU): the kernel layout transform_weights makes
-and undoes, the variants and shared memory the kernel reads them with (csrc/megamoe/fp4_weights.cuh)."""
+and undoes, the variants and shared memory the kernel reads them with (csrc/megamoe/fp4_weights.cuh),
+and their pre-building."""
 import pytest
 import torch
 
 from megamoe_plugin import abi
 from megamoe_plugin.buffer import BufferShape
 from megamoe_plugin.heuristics import default_num_stages, implemented_block_m
+from megamoe_plugin.jit.cli import parser
+from megamoe_plugin.jit.command import build_command
 from megamoe_plugin.kernel_variant import KernelVariant
-from megamoe_plugin.variants import variant_for
+from megamoe_plugin.model_config import MoEShape
+from megamoe_plugin.variants import build_variants_for, variant_for
 from megamoe_plugin.weights import kernel_layout_shapes, transform_weights, untransform_weights
 
 
@@ -72,3 +76,13 @@ def test_a_mxfp4_stage_carries_half_the_weight_bytes():
     assert fp4["stages"] - fp4["fp4_tile"] == weight_bytes
     assert fp8["stages"] == fp8["fp4_tile"]
     assert default_num_stages(8, 32, 4096, 2048, weights="mxfp4") > default_num_stages(8, 32, 4096, 2048)
+
+
+def test_prebuilding_knows_the_weight_format():
+    """jit --build --weights mxfp4 builds the MXFP4 variants, and a missing kernel's command says so."""
+    variants = build_variants_for(MoEShape(4096, 2048, 256, 6), 8, [1, 8, 128, 1024], "NVIDIA H100 80GB HBM3",
+                                  ("fast",), True, "mxfp4")
+    assert variants and all(v.weights == "mxfp4" and v.name().endswith("_w4") for v in variants)
+    assert "--weights mxfp4" in build_command(4096, 2048, 256, 6, 8, weights="mxfp4")
+    assert "--weights" not in build_command(4096, 2048, 256, 6, 8)
+    assert parser().parse_args(["--build", "--weights", "mxfp4"]).weights == "mxfp4"

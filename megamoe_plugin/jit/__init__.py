@@ -291,7 +291,8 @@ def compile_variant(variant: KernelVariant, verbose: bool = False) -> CompiledKe
     from .command import build_command
 
     command = build_command(variant.hidden, variant.intermediate_size, variant.num_experts, variant.num_topk,
-                            variant.num_ranks, numerics=(variant.numerics,), fast_math=variant.fast_math)
+                            variant.num_ranks, numerics=(variant.numerics,), fast_math=variant.fast_math,
+                            weights=variant.weights)
     if problems:
         raise UnverifiedBuildError(variant, problems, why, command)
     raise KernelMissingError([variant], why, command)

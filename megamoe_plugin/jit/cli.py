@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ..heuristics import NUMERICS_MODES
+from ..heuristics import NUMERICS_MODES, WEIGHT_FORMATS
 from .command import DEFAULT_BATCH_SIZES, DEFAULT_GPU, PROG, parse_batch_sizes
 
 def _at_least_one(text: str) -> int:
@@ -66,6 +66,9 @@ build's manifest does not vouch for (--build replaces those).""")
     b.add_argument("--no-fast-math", dest="fast_math", action="store_false",
                    help="build the variants of calls with fast_math=False (the op's IEEE SwiGLU option) instead "
                         "of the default fast_math=True, which vLLM runs")
+    b.add_argument("--weights", choices=WEIGHT_FORMATS, default="fp8",
+                   help="the experts' weight format: fp8 (128x128 blocks) or mxfp4 (read at 4 bits, fast numerics "
+                        "only; DeepSeek-V4-Flash's routed experts) (default: %(default)s)")
     return p
 
 
@@ -106,7 +109,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"--numerics: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(NUMERICS_MODES)}")
     try:
         counts = parse_batch_sizes(args.batch_sizes)
-        variants = build_variants_for(shape, args.ep_size, counts, args.gpu, numerics, args.fast_math)
+        variants = build_variants_for(shape, args.ep_size, counts, args.gpu, numerics, args.fast_math, args.weights)
     except ValueError as exc:
         p.error(str(exc))
     print(f"{shape.describe()}, EP {args.ep_size}, {len(counts)} batch sizes, {', '.join(numerics)} numerics "

@@ -41,7 +41,7 @@ def format_batch_sizes(counts: Iterable[int]) -> str:
 def build_command(hidden: int, intermediate_size: int, num_experts: int, num_topk: int, ep_size: int,
                   batch_sizes: Optional[Iterable[int]] = None, gpu: Optional[str] = None,
                   numerics: Sequence[str] = NUMERICS_MODES, fast_math: bool = True,
-                  num_shared_experts: int = 0) -> str:
+                  num_shared_experts: int = 0, weights: str = "fp8") -> str:
     """The --build command line that pre-builds these variants into the current cache folder
     (what a KernelMissingError says to run); num_experts and num_topk are the routed ones, to
     which the kernel's shape adds the shared experts."""
@@ -58,5 +58,7 @@ def build_command(hidden: int, intermediate_size: int, num_experts: int, num_top
         args += ["--numerics", ",".join(numerics)]
     if not fast_math:
         args.append("--no-fast-math")
+    if weights != "fp8":
+        args += ["--weights", weights]
     args += ["--cache-dir", str(cache_dir())]
     return shlex.join(args)

@@ -230,7 +230,7 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
         if self.executor_name == "kernel":
             rt = self.runtime
             refusals.check_kernels_loadable(rt.hidden, rt.intermediate, rt.num_experts, rt.topk, rt.group.world_size,
-                                            max_tokens, rt.numerics)
+                                            max_tokens, rt.numerics, weights=self.kernel_weights)
 
     # ------------------------------------------------------------------ weights
 
@@ -256,16 +256,15 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
         """Checkpoint layout -> kernel layout in place of the parameters' data, with the layer's shared
         experts where the kernel can run them (shared_experts.take_from_runner), then the kernel."""
         import megamoe_plugin as mm
-        from megamoe_plugin.weights import weight_format
 
-        w13, s13 = layer.w13_weight, getattr(layer, f"w13_{self.scale_name}")
-        w2, s2 = layer.w2_weight, getattr(layer, f"w2_{self.scale_name}")
+        w13, s13 = layer.w13_weight, getattr(layer, f"w13_{self.weight_scale_name}")
+        w2, s2 = layer.w2_weight, getattr(layer, f"w2_{self.weight_scale_name}")
         if s13.dim() == 3:  # checkpoint layout (a second call finds the kernel layout: 4-D or 5-D w13 scales)
             rt = self.runtime
             shared = shared_experts.take_from_runner(self._runners.get(layer.layer_name), self.moe,
                                                      rt.activation_clamp, rt.group.world_size, rt.num_experts,
                                                      rt.max_tokens, rt.topk, rt.hidden, rt.intermediate,
-                                                     weight_format(w13.data))
+                                                     self.kernel_weights)
             l1, l2 = mm.transform_weights((w13.data, s13.data), (w2.data, s2.data),
                                           shared=None if shared is None else shared.weights)
             # Rebind, never copy: the old storages are released here; the parameters (and with them
@@ -284,13 +283,13 @@ class MegaMoEFp8MoEMethod(FusedMoEMethodBase):
         self.moe_kernel = mk.FusedMoEKernel(MegaMoEPrepareAndFinalize(), self.experts)
         refusals.check_kernel_attribute(self, built=True)
 
-    # The layer's scale parameters: w13_<scale_name>, w2_<scale_name>.
-    scale_name = "weight_scale_inv"
+    # The format the kernel reads the experts in (weights.weight_format).
+    kernel_weights = "fp8"
 
     def get_fused_moe_quant_config(self, layer):
         return fp8_w8a8_moe_quant_config(
-            w1_scale=getattr(layer, f"w13_{self.scale_name}"),
-            w2_scale=getattr(layer, f"w2_{self.scale_name}"),
+            w1_scale=getattr(layer, f"w13_{self.weight_scale_name}"),
+            w2_scale=getattr(layer, f"w2_{self.weight_scale_name}"),
             a1_scale=None,
             a2_scale=None,
             block_shape=list(self.weight_block_size),
@@ -364,16 +363,17 @@ class MegaMoEMxfp4MoEMethod(MegaMoEFp8MoEMethod):
     on MXFP4 weights yet, they are re-encoded exactly as the FP8 128x128 blocks the kernel reads
     (megamoe_plugin.mxfp4.to_fp8_blocks, which names a block that does not fit) and run at FP8 bandwidth."""
 
+    def __init__(self, quant_config, layer):
+        super().__init__(quant_config, layer)
+        self.weight_scale_name = "weight_scale" if self.kernel_weights == "mxfp4" else "weight_scale_inv"
+
     @property
-    def reads_fp4(self) -> bool:
+    def kernel_weights(self) -> str:
+        """MXFP4 where the kernel runs them in the layer's numerics mode, else their FP8 blocks."""
         from megamoe_plugin.heuristics import implemented_block_m
         from megamoe_plugin.validation import resolve_numerics
 
-        return bool(implemented_block_m(resolve_numerics(self.runtime.numerics), "mxfp4"))
-
-    @property
-    def scale_name(self) -> str:
-        return "weight_scale" if self.reads_fp4 else "weight_scale_inv"
+        return "mxfp4" if implemented_block_m(resolve_numerics(self.runtime.numerics), "mxfp4") else "fp8"
 
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
@@ -397,7 +397,7 @@ class MegaMoEMxfp4MoEMethod(MegaMoEFp8MoEMethod):
         128x128 blocks (exact numerics)."""
         from megamoe_plugin.mxfp4 import to_fp8_blocks
 
-        if not self.reads_fp4 and layer.w13_weight.dtype == torch.uint8:  # a second call finds FP8 weights
+        if self.kernel_weights == "fp8" and layer.w13_weight.dtype == torch.uint8:  # a second call finds FP8 weights
             for stem in ("w13", "w2"):
                 weight = getattr(layer, f"{stem}_weight")
                 codes, block_scales = to_fp8_blocks(weight.data, getattr(layer, f"{stem}_weight_scale").data)

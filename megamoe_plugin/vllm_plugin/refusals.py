@@ -311,7 +311,8 @@ _layer_variants: Dict[Tuple, list] = {}
 
 
 def check_kernels_loadable(hidden: int, intermediate_size: int, num_experts: int, num_topk: int, ep_size: int,
-                           max_tokens: int, numerics: Optional[Numerics], num_shared_experts: int = 0) -> None:
+                           max_tokens: int, numerics: Optional[Numerics], num_shared_experts: int = 0,
+                           weights: str = "fp8") -> None:
     """Where nothing can compile (no nvcc: a serving container with the driver only), every
     kernel variant a step of this layer can select (any batch of 0..max_tokens tokens per
     rank, with its shared experts in the call) must be in the cache, or the first forward would
@@ -326,13 +327,14 @@ def check_kernels_loadable(hidden: int, intermediate_size: int, num_experts: int
         return
     mode, gpu = resolve_numerics(numerics), _probe.device_name()
     shape = MoEShape(hidden, intermediate_size, num_experts, num_topk, num_shared_experts=num_shared_experts)
-    key = (shape, ep_size, max_tokens, mode, gpu)
+    key = (shape, ep_size, max_tokens, mode, gpu, weights)
     if key not in _layer_variants:
-        _layer_variants[key] = deployment_variants(shape, ep_size, range(max_tokens + 1), gpu, (mode,))
+        _layer_variants[key] = deployment_variants(shape, ep_size, range(max_tokens + 1), gpu, (mode,),
+                                                   weights=weights)
     missing, why = jit.missing_variants(_layer_variants[key])
     if missing:
         command = build_command(hidden, intermediate_size, num_experts, num_topk, ep_size, range(max_tokens + 1), gpu,
-                                num_shared_experts=num_shared_experts)
+                                num_shared_experts=num_shared_experts, weights=weights)
         raise MegaMoEUnsupportedError(
             f"{len(missing)} of the {len(_layer_variants[key])} kernel variants this layer can run are not in the "
             f"cache {jit.cache_dir()} (MEGAMOE_CACHE_DIR): {', '.join(v.name() for v in missing)}; none can be "
