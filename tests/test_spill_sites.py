@@ -49,3 +49,10 @@ def test_variant_names_parse_back_into_variants():
     assert v.name() == "h7168_i2048_k8_e64_r2_bm64_st5_fm1_fast_win" and v.windowed and v.fast_math
     v = spill_sites_tool.variant_of("h384_i256_k4_e4_r1_bm128_st4_fm1_fast_timeline")
     assert v.timeline and not v.windowed
+
+
+def test_variant_names_round_trip():
+    """The tool rebuilds a variant from the name the JIT prints, MXFP4 (_w4) and windowed ones too."""
+    for name in ("h7168_i2048_k8_e32_r1_bm64_st5_fm1_fast", "h7168_i2048_k8_e32_r1_bm64_st5_fm1_fast_win",
+                 "h4096_i2048_k6_e32_r1_bm8_st10_fm1_fast_w4", "h384_i256_k4_e8_r1_bm32_st2_fm0_exact_timeline"):
+        assert spill_sites_tool.variant_of(name).name() == name

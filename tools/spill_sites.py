@@ -4,7 +4,8 @@ on every k-block, or outside, where it costs once per tile or per call.
 
 Usage: python3 tools/spill_sites.py VARIANT... [--all]
   VARIANT  a variant's name as megamoe_plugin.jit prints it (h7168_i2048_k8_e32_r1_bm64_st5_fm1_fast,
-           with _win for a windowed one), compiled into MEGAMOE_CACHE_DIR if it is not there yet;
+           with _win for a windowed one, _w4 for MXFP4 weights), compiled into MEGAMOE_CACHE_DIR if it is not
+           there yet;
   --all    list every spill instruction, not only the counts and those inside main loops.
 Exits 1 if a spill lies inside a main loop.
 
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megamoe_plugin.jit.spill_sites import cubin_spill_sites, find_nvdisasm  # noqa: E402
 
-NAME = re.compile(r"h(\d+)_i(\d+)_k(\d+)_e(\d+)_r(\d+)_bm(\d+)_st(\d+)_fm([01])_(fast|exact)(_win)?(_timeline)?$")
+NAME = re.compile(r"h(\d+)_i(\d+)_k(\d+)_e(\d+)_r(\d+)_bm(\d+)_st(\d+)_fm([01])_(fast|exact)(_win)?(_w4)?(_timeline)?$")
 
 
 def variant_of(name: str):
@@ -28,9 +29,9 @@ def variant_of(name: str):
     m = NAME.match(name)
     if not m:
         raise SystemExit(f"not a variant name: {name!r} (e.g. h7168_i2048_k8_e32_r1_bm64_st5_fm1_fast)")
-    h, i, k, e, r, bm, st, fm, numerics, win, timeline = m.groups()
+    h, i, k, e, r, bm, st, fm, numerics, win, w4, timeline = m.groups()
     return KernelVariant(int(h), int(i), int(k), int(e), int(r), int(bm), int(st), fm == "1", numerics,
-                         timeline=bool(timeline), windowed=bool(win))
+                         timeline=bool(timeline), windowed=bool(win), weights="mxfp4" if w4 else "fp8")
 
 
 def main():
