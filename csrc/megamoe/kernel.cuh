@@ -99,7 +99,8 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
         return make_float2(s, s);
       };
       if constexpr (Cfg::kFp8SwapAB) {
-        mma_tile_swap<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sf_skew, acc, weight_scales);
+        mma_tile_swap<Cfg, Cfg::kL2NumKBlocks>(p, sv, full, empty, ps, wg, fc, sf_skew, acc, weight_scales,
+                                               clock.full_wait);
         clock.mainloop_done();
         l2_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc);
       } else {
@@ -122,7 +123,8 @@ __device__ __forceinline__ bool math_phase(const KernelParams& p, uint8_t* base,
         clock.mainloop_done();
         l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
       } else if constexpr (Cfg::kFp8SwapAB) {
-        mma_tile_swap<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sf_skew, acc, weight_scales);
+        mma_tile_swap<Cfg, Cfg::kL1NumKBlocks>(p, sv, full, empty, ps, wg, fc, sf_skew, acc, weight_scales,
+                                               clock.full_wait);
         clock.mainloop_done();
         l1_epilogue_swap<Cfg>(p, base, tables, t, wg, fc, acc, amax_exchange, parity);
       } else {

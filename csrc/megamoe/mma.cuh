@@ -270,7 +270,8 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                               uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
-                                              int sf_skew, float* acc, WeightScales weight_scales) {
+                                              int sf_skew, float* acc, WeightScales weight_scales,
+                                              uint32_t& full_wait) {
   constexpr int kN = Cfg::kBlockM, kFrag = kN / 2, kChunks = kN / 8;
   using Op = typename SwapWgmma<kN>::Op;
   float part[Cfg::kSwapSubTiles * kFrag];
@@ -283,7 +284,9 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
 #pragma unroll
       for (int i = 1; i < Cfg::kSwapSubTiles; ++i) sb[i] = sb[0];
     }
+    const uint32_t wait_start = TileClock::tile_clock();
     mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
+    if constexpr (kTimeline) full_wait += TileClock::tile_clock() - wait_start;
     const uint8_t* weights = sv.b(ps.stage);
     if constexpr (Cfg::kFp4Weights) {
       uint8_t* tile = sv.fp4_tile();

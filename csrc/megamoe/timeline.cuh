@@ -47,7 +47,7 @@ __device__ __forceinline__ void timeline_write(const KernelParams& p, int phase,
 struct TileClock {
   uint32_t start = tile_clock();
   uint32_t mainloop_end = 0;
-  uint32_t full_wait = 0;  // cycles spent waiting for full stages (mma.cuh mma_tile)
+  uint32_t full_wait = 0;  // cycles spent waiting for full stages (mma.cuh mma_tile, mma_tile_swap)
   __device__ static uint32_t tile_clock() { return static_cast<uint32_t>(timeline_clock()); }
   __device__ void mainloop_done() { mainloop_end = tile_clock(); }
   __device__ void record(const KernelParams& p, int phase, int tile_of_cta, int wg) const {
