@@ -125,6 +125,25 @@ struct MmaBatching {
                                 cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>>;
 };
 
+// MXFP4 weights (fp4_weights.cuh): this warpgroup's 128 rows of stage `stage` converted into the FP8
+// tile (StageView fp4_tile) and their scales, visible to its WGMMAs; returns the tile. Both main loops
+// read only their own warpgroup's rows, so the warpgroup's own barrier suffices.
+template <class Cfg>
+__device__ __forceinline__ const uint8_t* fp4_convert_stage(const StageView<Cfg>& sv, int stage, int wg) {
+  fp4_convert_row(sv.b(stage), sv.b_scale_codes(stage), sv.fp4_tile(), sv.fp4_row_scales(),
+                  wg * Cfg::kWgN + Role::thread_in_warpgroup());
+  cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // the tile's stores -> WGMMA reads
+  named_barrier_sync(kFp4ConvertBarrierId + wg, Cfg::kWgN);
+  return sv.fp4_tile();
+}
+
+// MXFP4 weights: every thread of the warpgroup is done reading the tile and its row scales, so the
+// next k-block's conversion may overwrite them.
+template <class Cfg>
+__device__ __forceinline__ void fp4_tile_reads_done(int wg) {
+  named_barrier_sync(kFp4ConvertBarrierId + wg, Cfg::kWgN);
+}
+
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                          uint64_t* empty, PipelineState& ps, int math_wg, const FragCoord& fc,
@@ -204,13 +223,9 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
     }
     const int stage = kUniformIndices ? warp_uniform(ps.stage) : ps.stage;
     const uint8_t* weights = sv.b(stage);
-    if constexpr (Cfg::kFp4Weights) {  // this warpgroup's 128 rows, as in mma_tile_swap
+    if constexpr (Cfg::kFp4Weights) {
       static_assert(kHalves == 1, "MXFP4 weights: each warpgroup converts the rows its WGMMAs read");
-      fp4_convert_row(sv.b(stage), sv.b_scale_codes(stage), sv.fp4_tile(), sv.fp4_row_scales(),
-                      wg * Cfg::kWgN + Role::thread_in_warpgroup());
-      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-      named_barrier_sync(kFp4ConvertBarrierId + wg, Cfg::kWgN);
-      weights = sv.fp4_tile();
+      weights = fp4_convert_stage(sv, stage, wg);
     }
     const float* sa = sv.a_scales(stage) + sf_skew + row0 + fc.r0;
 #pragma unroll
@@ -249,8 +264,7 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
     }
     if constexpr (B::kParts == 2 && !B::kCarryAcrossKBlocks) drain_last(cur, ps.stage);
     if constexpr (B::kCarryAcrossKBlocks) prev = cur, prev_stage = ps.stage;
-    // MXFP4: every thread's reads of the tile and its row scales are done before the next conversion.
-    if constexpr (Cfg::kFp4Weights) named_barrier_sync(kFp4ConvertBarrierId + wg, Cfg::kWgN);
+    if constexpr (Cfg::kFp4Weights) fp4_tile_reads_done<Cfg>(wg);
     ps.advance<Cfg::kNumStages>();
   }
   if constexpr (B::kCarryAcrossKBlocks) drain_last(prev, prev_stage);
@@ -289,18 +303,12 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
     if constexpr (kTimeline) full_wait += TileClock::tile_clock() - wait_start;
     const uint8_t* weights = sv.b(ps.stage);
     if constexpr (Cfg::kFp4Weights) {
-      uint8_t* tile = sv.fp4_tile();
-      float* row_scales = sv.fp4_row_scales();
-      const int row = wg * Cfg::kWgN + Role::thread_in_warpgroup();
-      fp4_convert_row(sv.b(ps.stage), sv.b_scale_codes(ps.stage), tile, row_scales, row);
-      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // the tile's stores -> WGMMA reads
-      named_barrier_sync(kFp4ConvertBarrierId + wg, Cfg::kWgN);
+      weights = fp4_convert_stage(sv, ps.stage, wg);
 #pragma unroll
       for (int i = 0; i < Cfg::kSwapSubTiles; ++i) {
-        const float* rs = row_scales + wg * Cfg::kWgN + 64 * i + fc.r0;
+        const float* rs = sv.fp4_row_scales() + wg * Cfg::kWgN + 64 * i + fc.r0;
         sb[i] = make_float2(rs[0], rs[8]);
       }
-      weights = tile;
     }
     const float* stage_sa = sv.a_scales(ps.stage) + sf_skew;
     float sa[kChunks][2];
@@ -329,7 +337,7 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
         acc[i * kFrag + 4 * c + j] += part[i * kFrag + 4 * c + j] * (sa[c][j] * sb[i].x);
         acc[i * kFrag + 4 * c + 2 + j] += part[i * kFrag + 4 * c + 2 + j] * (sa[c][j] * sb[i].y);
       });
-    if constexpr (Cfg::kFp4Weights) named_barrier_sync(kFp4ConvertBarrierId + wg, Cfg::kWgN);
+    if constexpr (Cfg::kFp4Weights) fp4_tile_reads_done<Cfg>(wg);
     ps.advance<Cfg::kNumStages>();
   }
 }

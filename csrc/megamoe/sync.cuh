@@ -9,7 +9,7 @@
 //   mbarrier full/empty TMA pipeline, see pipeline.cuh
 //   named barrier 1    the two math warpgroups' epilogue exchange (epilogue.cuh)
 //   named barrier 2    the register hand-over at the start of a rebalanced GEMM phase
-//   named barriers 3-4 math warpgroup 0's / 1's MXFP4 weight conversion (mma.cuh mma_tile_swap)
+//   named barriers 3-4 math warpgroup 0's / 1's MXFP4 weight conversion (mma.cuh fp4_convert_stage)
 //                      (kernel.cuh gemm_roles)
 #pragma once
 
