@@ -203,11 +203,9 @@ def default_num_stages(block_m: int, num_local_experts: int, hidden: int, interm
     that tile's loads, and past MAX_STAGES the latency is already covered.
     """
     useful = max(MIN_STAGES, min(hidden, intermediate_size) // BLOCK_K)
-    if weights == "mxfp4":
-        # A stage carries half the weight bytes: twice the stages keep as many bytes in flight.
-        return min(max_pipeline_stages(block_m, num_local_experts, smem_limit, numerics, weights), 2 * MAX_STAGES,
-                   useful)
-    return min(max_pipeline_stages(block_m, num_local_experts, smem_limit, numerics), MAX_STAGES, useful)
+    # An MXFP4 stage carries half the weight bytes: twice the stages keep as many bytes in flight.
+    most = 2 * MAX_STAGES if weights == "mxfp4" else MAX_STAGES
+    return min(max_pipeline_stages(block_m, num_local_experts, smem_limit, numerics, weights), most, useful)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,15 +243,18 @@ class KernelConfig:
 
 
 def default_config(num_ranks: int, num_experts: int, num_topk: int, hidden: int, intermediate_size: int,
-                   num_tokens: int, num_sms: int, numerics: Numerics = DEFAULT_NUMERICS) -> KernelConfig:
-    """The heuristic config for a call with num_tokens tokens per rank on num_sms SMs."""
+                   num_tokens: int, num_sms: int, numerics: Numerics = DEFAULT_NUMERICS,
+                   weights: str = "fp8") -> KernelConfig:
+    """The heuristic config for a call with num_tokens tokens per rank on num_sms SMs, with expert
+    weights of format `weights`."""
     if num_experts % num_ranks != 0:
         raise ValueError(f"num_experts ({num_experts}) must be a multiple of num_ranks ({num_ranks})")
     for name, value in (("hidden", hidden), ("intermediate_size", intermediate_size)):
         if value < BLOCK_K or value % BLOCK_K != 0:
             raise ValueError(f"{name} must be a positive multiple of {BLOCK_K}, got {value}")
     expected = expected_tokens_per_expert(num_tokens, num_ranks, num_topk, num_experts)
-    block_m = select_block_m(expected, implemented_block_m(numerics))
-    num_stages = default_num_stages(block_m, num_experts // num_ranks, hidden, intermediate_size, numerics=numerics)
+    block_m = select_block_m(expected, implemented_block_m(numerics, weights))
+    num_stages = default_num_stages(block_m, num_experts // num_ranks, hidden, intermediate_size, numerics=numerics,
+                                    weights=weights)
     return KernelConfig(block_m=block_m, num_stages=num_stages, num_sms=num_sms)
 

@@ -325,7 +325,8 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
         validation.validate_call(y, l1, l2, buf, activation_clamp, fast_math, cumulative_local_expert_recv_stats,
                                  config_num_tokens, buf.take_staged_tokens() if isinstance(buf, SymmBuffer) else None)
         numerics = validation.resolve_numerics(numerics)
-        check_weights_numerics(weight_format(l1[0]), numerics)  # every rank refuses at once (_refuse_call)
+        weights = weight_format(l1[0])
+        check_weights_numerics(weights, numerics)  # every rank refuses at once (_refuse_call)
         if _timeline is not None:
             validation.check_tensor(_timeline, "_timeline (ops.timeline_for)", torch.int64, _timeline_shape(buf),
                                     buf.device)
@@ -335,7 +336,7 @@ def fp8_mega_moe(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffe
     validation.require_sm90(buf.device)
     num_tokens = y.shape[0]
     variant = select_variant(buf, num_tokens if config_num_tokens is None else config_num_tokens, fast_math,
-                             numerics, weight_format(l1[0]))
+                             numerics, weights)
     if _timeline is not None:
         variant = dataclasses.replace(variant, timeline=True)
     kernel = _kernel_handle(buf.device, variant)

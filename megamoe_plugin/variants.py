@@ -20,50 +20,34 @@ def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math:
                 weights: str = "fp8") -> KernelVariant:
     """select_variant without a buffer or a GPU, for a buffer of shape `s` (buffer.BufferShape)
     on `grid_size` SMs of `device_name` (tests/gpu/cases.py precompiles with it), for expert weights
-    of format `weights` (weights.weight_format)."""
+    of format `weights` (weights.weight_format). The tuned tables hold FP8 weights' configs: MXFP4
+    weights take the heuristic's."""
     from .configs import lookup_config
-    from .heuristics import (KernelConfig, default_num_stages, implemented_block_m, max_pipeline_stages,
-                             runnable_block_m)
+    from .heuristics import (KernelConfig, check_weights_numerics, default_config, default_num_stages,
+                             implemented_block_m, max_pipeline_stages, runnable_block_m)
 
-    if weights == "mxfp4":
-        return _mxfp4_variant_for(s, grid_size, num_tokens, fast_math, numerics, forced_block_m, forced_num_stages)
-    cfg = lookup_config(device_name, s.num_ranks, s.num_experts, s.num_topk, s.hidden, s.intermediate_size,
-                        num_tokens, grid_size, numerics=numerics)
-    if forced_block_m is not None and forced_block_m not in implemented_block_m(numerics):
-        raise ValueError(f"MEGAMOE_BLOCK_M={forced_block_m} is not implemented in {numerics!r} numerics (tiers "
-                         f"{implemented_block_m(numerics)})")
+    check_weights_numerics(weights, numerics)
+    shape = (s.num_ranks, s.num_experts, s.num_topk, s.hidden, s.intermediate_size, num_tokens, grid_size)
+    cfg = (default_config(*shape, numerics=numerics, weights=weights) if weights == "mxfp4"
+           else lookup_config(device_name, *shape, numerics=numerics))
+    tiers = implemented_block_m(numerics, weights)
+    if forced_block_m is not None and forced_block_m not in tiers:
+        raise ValueError(f"MEGAMOE_BLOCK_M={forced_block_m} is not implemented in {numerics!r} numerics"
+                         f"{' for MXFP4 weights' if weights == 'mxfp4' else ''} (tiers {tiers})")
     block_m = runnable_block_m(forced_block_m if forced_block_m is not None else cfg.block_m, fast_math)
     if block_m != cfg.block_m:
-        stages = default_num_stages(block_m, s.num_local_experts, s.hidden, s.intermediate_size, numerics=numerics)
+        stages = default_num_stages(block_m, s.num_local_experts, s.hidden, s.intermediate_size, numerics=numerics,
+                                    weights=weights)
         cfg = KernelConfig(block_m=block_m, num_stages=stages, num_sms=cfg.num_sms)
     if forced_num_stages is not None:
-        most = max_pipeline_stages(cfg.block_m, s.num_local_experts, numerics=numerics)
+        most = max_pipeline_stages(cfg.block_m, s.num_local_experts, numerics=numerics, weights=weights)
         if forced_num_stages > most:
             raise ValueError(f"forced num_stages={forced_num_stages} (MEGAMOE_NUM_STAGES) does not fit: at most {most} "
                              f"stages of block_m={cfg.block_m} fit in shared memory with {s.num_local_experts} local "
                              f"experts in {numerics} numerics")
         cfg = dataclasses.replace(cfg, num_stages=forced_num_stages)
     return KernelVariant(s.hidden, s.intermediate_size, s.num_topk, s.num_experts, s.num_ranks, cfg.block_m,
-                         cfg.num_stages, fast_math, numerics, windowed=s.windowed)
-
-
-def _mxfp4_variant_for(s, grid_size: int, num_tokens: int, fast_math: bool, numerics: Numerics,
-                       forced_block_m: Optional[int], forced_num_stages: Optional[int]) -> KernelVariant:
-    """MXFP4 weights: the heuristic's tier among the tiers the kernel runs them in, and as many
-    stages as fit (the tuned tables are FP8 weights' and have no entry for them yet)."""
-    from .heuristics import (check_weights_numerics, default_num_stages, expected_tokens_per_expert,
-                             implemented_block_m, select_block_m)
-
-    check_weights_numerics("mxfp4", numerics)
-    tiers = implemented_block_m(numerics, "mxfp4")
-    if forced_block_m is not None and forced_block_m not in tiers:
-        raise ValueError(f"MEGAMOE_BLOCK_M={forced_block_m}: MXFP4 weights run tiers {tiers} so far")
-    block_m = forced_block_m if forced_block_m is not None else select_block_m(
-        expected_tokens_per_expert(num_tokens, s.num_ranks, s.num_topk, s.num_experts), tiers)
-    stages = forced_num_stages if forced_num_stages is not None else default_num_stages(
-        block_m, s.num_local_experts, s.hidden, s.intermediate_size, numerics=numerics, weights="mxfp4")
-    return KernelVariant(s.hidden, s.intermediate_size, s.num_topk, s.num_experts, s.num_ranks, block_m, stages,
-                         fast_math, numerics, windowed=s.windowed, weights="mxfp4")
+                         cfg.num_stages, fast_math, numerics, windowed=s.windowed, weights=weights)
 
 
 # The grid size given to the selection: it sets only the launch's CTA count, which is no
