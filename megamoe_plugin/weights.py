@@ -70,7 +70,7 @@ def kernel_layout_shapes(weights: str, num_local_experts: int, hidden: int, inte
     format `weights` ("fp8" or "mxfp4"), for the call's validation."""
     el, h, i = num_local_experts, hidden, intermediate
     if weights == "mxfp4":
-        per_row, rows = BLOCK // mxfp4.MXFP4_GROUP, abi.kBlockN
+        per_row, rows = abi.kFp4ScaleBytesPerRow, abi.kBlockN
         padded_h = -(-h // rows) * rows
         return {"w13": ((el, 2 * i // rows, h // BLOCK, rows, BLOCK // 2), torch.uint8,
                         f"[E_local, 2I/{rows}, H/128, {rows}, 64]"),
@@ -257,7 +257,7 @@ def transform_weights(l1: WeightPair, l2: WeightPair,
                 .transpose(1, 2).reshape(num_local_experts, 2 * intermediate, columns).contiguous())
 
     if packed:
-        per_row = BLOCK // mxfp4.MXFP4_GROUP
+        per_row = abi.kFp4ScaleBytesPerRow
         return ((_in_tiles(interleave(w13), BLOCK // 2), _in_tiles(interleave(mxfp4.scale_bits(w13_scale)), per_row)),
                 (_in_tiles(w2, BLOCK // 2), _in_tiles(mxfp4.scale_bits(w2_scale), per_row)))
     w13_t = interleave(w13)
