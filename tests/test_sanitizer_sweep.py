@@ -1,6 +1,6 @@
 """tools/sanitizer_sweep.sh on tests/gpu/cases.py's job list, with a stand-in compute-sanitizer that
-records what it was asked to run: every job runs once, with its tier, mode, shape, pool rows, CTAs and
-shared experts, and a job that reports errors fails the sweep."""
+records what it was asked to run: every job runs once, with its tier, mode, shape, pool rows, CTAs,
+shared experts and weight format, and a job that reports errors fails the sweep."""
 import os
 import subprocess
 import sys
@@ -38,24 +38,29 @@ def test_every_job_runs_with_its_own_settings(tmp_path):
 
     text = jobs()
     lines = text.splitlines()
-    assert len(lines) == sum(2 * len(implemented_block_m(m)) for _, modes, _, _ in SANITIZER_SHAPES for m in modes)
-    assert any(line.split()[-1] != "0" for line in lines), "no job runs shared experts"
+    assert len(lines) == sum(2 * len(implemented_block_m(m, weights))
+                             for _, modes, _, _, weights in SANITIZER_SHAPES for m in modes)
+    assert any(line.split()[-2] != "0" for line in lines), "no job runs shared experts"
+    assert any(line.split()[-1] == "mxfp4" for line in lines), "no job runs MXFP4 experts"
     rc, calls = sweep(tmp_path, text)
     assert rc == 0
     want = []
     for line in lines:
-        numerics, tool, block_m, h, i, k, e, n, pool, ctas, shared = line.split()
+        numerics, tool, block_m, h, i, k, e, n, pool, ctas, shared, weights = line.split()
         assert int(ctas) == SANITIZER_SMS
         want.append(f"{numerics} {block_m} {ctas} --tool {tool} --error-exitcode 1 python3 tools/debug_phases.py "
                     f"{h} {i} {k} {e} {n} --phases 0" + (f" --pool-rows {pool}" if pool != "-" else "")
-                    + (f" --shared-experts {shared}" if shared != "0" else ""))
+                    + (f" --shared-experts {shared}" if shared != "0" else "")
+                    + (f" --weights {weights}" if weights != "fp8" else ""))
     assert sorted(calls) == sorted(want)
 
 
-def test_a_job_line_sets_the_ctas_pool_rows_and_shared_experts(tmp_path):
-    rc, calls = sweep(tmp_path, "exact memcheck 32 384 256 4 4 16 96 3 2\n")
-    assert rc == 0 and calls == ["exact 32 3 --tool memcheck --error-exitcode 1 python3 tools/debug_phases.py "
-                                 "384 256 4 4 16 --phases 0 --pool-rows 96 --shared-experts 2"]
+def test_a_job_line_sets_the_ctas_pool_rows_shared_experts_and_weights(tmp_path):
+    rc, calls = sweep(tmp_path, "exact memcheck 32 384 256 4 4 16 96 3 2\nfast racecheck 8 384 256 4 4 16 - 5 0 mxfp4\n")
+    assert rc == 0 and sorted(calls) == [
+        "exact 32 3 --tool memcheck --error-exitcode 1 python3 tools/debug_phases.py "
+        "384 256 4 4 16 --phases 0 --pool-rows 96 --shared-experts 2",
+        "fast 8 5 --tool racecheck --error-exitcode 1 python3 tools/debug_phases.py 384 256 4 4 16 --phases 0 --weights mxfp4"]
 
 
 def test_a_job_with_errors_fails_the_sweep(tmp_path):

@@ -7,6 +7,8 @@ against the reference's intermediates (docs/design.md section 2 steps).
 runs in pool windows; only the whole call (phase 0) is checked then.
 --shared-experts S: S shared experts beside the E routed ones, which every token passes through
 (staged by mm.stage_inputs); only the whole call (phase 0) is checked then.
+--weights mxfp4: MXFP4 experts (testing.random_mxfp4_layer, read at 4 bits) in fast numerics; only the
+whole call (phase 0) is checked then.
 """
 import argparse
 import math
@@ -16,8 +18,8 @@ import torch
 import megamoe_plugin as mm
 from megamoe_plugin.fp8 import dequantize_per_token_group
 from megamoe_plugin.buffer import SIGNAL_WORDS
-from megamoe_plugin.testing import (check_outputs, fill_buffer, random_inputs, random_layer, reference_ranks,
-                                    staged_inputs, with_shared_experts)
+from megamoe_plugin.testing import (check_outputs, fill_buffer, random_inputs, random_layer, random_mxfp4_layer,
+                                    reference_ranks, staged_inputs, with_shared_experts)
 
 
 def main():
@@ -26,14 +28,17 @@ def main():
     parser.add_argument("--phases", default="2,4,5,6,0")
     parser.add_argument("--pool-rows", type=int, default=None)
     parser.add_argument("--shared-experts", type=int, default=0)
+    parser.add_argument("--weights", choices=("fp8", "mxfp4"), default="fp8")
     args = parser.parse_args()
     H, I, K, E, N = args.shape
-    if (args.pool_rows is not None or args.shared_experts) and args.phases != "0":
-        parser.error("--pool-rows and --shared-experts check the whole call only: pass --phases 0")
+    if (args.pool_rows is not None or args.shared_experts or args.weights != "fp8") and args.phases != "0":
+        parser.error("--pool-rows, --shared-experts and --weights mxfp4 check the whole call only: pass --phases 0")
+    if args.shared_experts and args.weights != "fp8":
+        parser.error("--shared-experts runs FP8 experts only (one call reads one weight format)")
     gen = torch.Generator(device="cuda").manual_seed(7)
     if args.shared_experts:
         return whole_call_with_shared_experts(H, I, K, E, N, args.shared_experts, args.pool_rows, gen)
-    layer = random_layer(E, H, I, "cuda", gen)
+    layer = (random_mxfp4_layer if args.weights == "mxfp4" else random_layer)(E, H, I, "cuda", gen)
     buf = mm.get_symm_buffer(None, E, N, K, H, I, pool_rows=args.pool_rows)
     inputs = random_inputs(N, H, E, K, "uniform", "cuda", gen)
     fill_buffer(buf, inputs)

@@ -60,6 +60,16 @@ def _forced_tiers():
 
 
 FORCED_TIERS = _forced_tiers()
+# tests/gpu/test_mxfp4_weights_gpu.py: MXFP4 experts (fast numerics) on a small shape and on v4flash's,
+# each tier forced on FORCED_TIER_SHAPES and on WINDOW_SHAPES[0]'s pools, and R = 2, 4 ranks side by
+# side on tests/gpu/multi_rank.py's MULTI_RANK_SHAPES.
+MXFP4_SHAPES = [Shape(384, 256, 4, 8, 64), Shape(4096, 2048, 6, 32, 128)]
+
+
+def mxfp4_tiers():
+    from megamoe_plugin.heuristics import implemented_block_m
+
+    return implemented_block_m("fast", "mxfp4")
 # tests/gpu/test_forced_tiers.py's grid of a few CTAs, where L1 tiles wait for rows other CTAs still pull.
 SMALL_GRID_SMS = 4
 # tests/gpu/test_pool_windows.py: pools of WINDOW_POOL_ROWS rows (one BLOCK_M 128 m-block), on one
@@ -79,11 +89,12 @@ GPU_NAME = "NVIDIA H200"
 
 
 def call_variants(num_ranks, num_experts, topk, hidden, inter, max_tokens, num_sms, fast_maths=(True, False),
-                  forced_block_m=None, numerics_modes=None, pool_rows=None, num_shared_experts=0):
+                  forced_block_m=None, numerics_modes=None, pool_rows=None, num_shared_experts=0, weights="fp8"):
     """Every variant a call with 0..max_tokens tokens per rank can select on GPU_NAME, in both
     numerics modes (ops.select_variant: the shipped table, else the heuristic; MEGAMOE_BLOCK_M
     = forced_block_m), on a buffer with `pool_rows` and `num_shared_experts` beside the
-    `num_experts` routed ones (BufferShape.of_routed)."""
+    `num_experts` routed ones (BufferShape.of_routed), for expert weights of format `weights`
+    (MXFP4: fast numerics only)."""
     from megamoe_plugin.buffer import BufferShape
     from megamoe_plugin.heuristics import NUMERICS_MODES
     from megamoe_plugin.variants import variant_for
@@ -91,7 +102,7 @@ def call_variants(num_ranks, num_experts, topk, hidden, inter, max_tokens, num_s
     shape = BufferShape.of_routed(num_ranks, num_experts, max_tokens, topk, hidden, inter, pool_rows,
                                   num_shared_experts)
     return list(dict.fromkeys(
-        variant_for(shape, GPU_NAME, num_sms, n, fast_math, numerics, forced_block_m)
+        variant_for(shape, GPU_NAME, num_sms, n, fast_math, numerics, forced_block_m, weights=weights)
         for n in range(max_tokens + 1) for fast_math in fast_maths for numerics in numerics_modes or NUMERICS_MODES))
 
 
@@ -163,46 +174,75 @@ def variants():
                              (True,), num_shared_experts=1)
     for num_sms in (132, 124, 116):  # tools/aux_stream_stall.py
         out += call_variants(1, 32, 8, 7168, 2048, 64, num_sms, (True,))
+    out += mxfp4_variants()
     return list(dict.fromkeys(out))
 
 
+def mxfp4_variants():
+    """What tests/gpu/test_mxfp4_weights_gpu.py loads."""
+    from .multi_rank import MULTI_RANK_SHAPES
+
+    fast_fp4 = dict(numerics_modes=("fast",), weights="mxfp4")
+    out = []
+    for s in MXFP4_SHAPES:
+        out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132, **fast_fp4)
+    for block_m in mxfp4_tiers():
+        for s in FORCED_TIER_SHAPES:
+            out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132,
+                                 forced_block_m=block_m, **fast_fp4)
+        s = WINDOW_SHAPES[0]
+        for pool_rows in (WINDOW_POOL_ROWS, None):
+            out += call_variants(1, s.local_experts, s.topk, s.hidden, s.intermediate, s.max_tokens, 132, (True,),
+                                 forced_block_m=block_m, pool_rows=pool_rows, **fast_fp4)
+    for hidden, inter, topk, local_experts, max_tokens, _ in MULTI_RANK_SHAPES:
+        for num_ranks in (2, 4):
+            out += call_variants(num_ranks, local_experts * num_ranks, topk, hidden, inter, max_tokens,
+                                 132 // num_ranks, (True,), **fast_fp4)
+    return out
+
+
 # compute-sanitizer's runs: tools/debug_phases.py H I K E N on SANITIZER_SMS CTAs with each tier
-# forced, its pool rows (None: the default pools) and its shared experts, all on each job line. A small
-# shape; one at I 2048 whose pool rows outnumber those pulled before L1 (fast numerics pulls the rest
-# during L1); pools of 128 rows for 256 entries, so that every tier runs the call in pool windows (the
-# window kernel too); and a shared expert beside the routed ones, which every token's extra slot names.
+# forced, its pool rows (None: the default pools), its shared experts and its experts' weight format, all
+# on each job line. A small shape; one at I 2048 whose pool rows outnumber those pulled before L1 (fast
+# numerics pulls the rest during L1); pools of 128 rows for 256 entries, so that every tier runs the call
+# in pool windows (the window kernel too); a shared expert beside the routed ones, which every token's
+# extra slot names; and MXFP4 experts (read at 4 bits, converted on chip) on default and windowed pools.
 SANITIZER_SMS = 8  # tools/sanitizer_sweep.sh: fewer CTAs spinning on flags under the tools
-SANITIZER_SHAPES = [((384, 256, 4, 4, 16), ("fast", "exact"), None, 0), ((384, 2048, 4, 4, 64), ("fast",), None, 0),
-                    ((384, 256, 4, 4, 64), ("fast", "exact"), 128, 0), ((384, 256, 4, 4, 33), ("fast", "exact"), None, 1)]
+SANITIZER_SHAPES = [((384, 256, 4, 4, 16), ("fast", "exact"), None, 0, "fp8"),
+                    ((384, 2048, 4, 4, 64), ("fast",), None, 0, "fp8"),
+                    ((384, 256, 4, 4, 64), ("fast", "exact"), 128, 0, "fp8"),
+                    ((384, 256, 4, 4, 33), ("fast", "exact"), None, 1, "fp8"),
+                    ((384, 256, 4, 4, 33), ("fast",), None, 0, "mxfp4"),
+                    ((384, 256, 4, 4, 64), ("fast",), 128, 0, "mxfp4")]
 
 
 def sanitizer_variants():
     from megamoe_plugin.heuristics import implemented_block_m
 
     out = []
-    for (hidden, inter, topk, experts, tokens), modes, pool_rows, shared in SANITIZER_SHAPES:
+    for (hidden, inter, topk, experts, tokens), modes, pool_rows, shared, weights in SANITIZER_SHAPES:
         for numerics in modes:
-            for block_m in implemented_block_m(numerics):
+            for block_m in implemented_block_m(numerics, weights):
                 out += call_variants(1, experts, topk, hidden, inter, tokens, SANITIZER_SMS, (True,),
                                      forced_block_m=block_m, numerics_modes=(numerics,), pool_rows=pool_rows,
-                                     num_shared_experts=shared)
+                                     num_shared_experts=shared, weights=weights)
     return out
 
 
 def sanitizer_jobs(numerics_modes=None, tiers=None):
     """One line per job: numerics, tool, BLOCK_M, tools/debug_phases.py's H I K E N, pool rows or "-", CTAs,
-    shared experts."""
+    shared experts, weight format."""
     from megamoe_plugin.heuristics import implemented_block_m
 
-    for shape, modes, pool_rows, shared in sorted(SANITIZER_SHAPES, key=lambda job: -job[0][-1]):  # the longest first
+    for shape, modes, pool_rows, shared, weights in sorted(SANITIZER_SHAPES, key=lambda job: -job[0][-1]):  # the longest first
         for numerics in modes:
             if numerics_modes and numerics not in numerics_modes:
                 continue
             for tool in ("racecheck", "memcheck"):
-                for block_m in implemented_block_m(numerics):
+                for block_m in implemented_block_m(numerics, weights):
                     if not tiers or block_m in tiers:
                         yield " ".join(map(str, (numerics, tool, block_m, *shape, pool_rows or "-", SANITIZER_SMS,
-                                                 shared)))
+                                                 shared, weights)))
 
 
 # tools/tile_timeline.py's pull / scatter lag runs: (ranks side by side on one H200, numerics), each at

@@ -22,10 +22,11 @@ MULTI_RANK_SHAPES = [
 ]
 
 
-def make_world(num_ranks, shape, device, seed):
+def make_world(num_ranks, shape, device, seed, make_layer=random_layer):
+    """A layer per rank (make_layer: testing.random_layer, or random_mxfp4_layer) and the generator."""
     hidden, inter, topk, local_experts, _, _ = shape
     gen = torch.Generator(device=device).manual_seed(seed)
-    return [random_layer(local_experts, hidden, inter, device, gen) for _ in range(num_ranks)], gen
+    return [make_layer(local_experts, hidden, inter, device, gen) for _ in range(num_ranks)], gen
 
 
 def step_inputs(num_ranks, shape, tokens, step, routing, device, gen):
@@ -54,11 +55,11 @@ def launch_side_by_side(bufs, layers, inputs, streams, tokens, numerics, stop_af
     return ys
 
 
-def run_local(num_ranks, shape, numerics, seed=0):
-    """R ranks on one GPU, each on its own stream and share of SMs. Returns a list of
-    (step, rank, calc_diff, error or None)."""
+def run_local(num_ranks, shape, numerics, seed=0, make_layer=random_layer):
+    """R ranks on one GPU, each on its own stream and share of SMs, with make_world's layers. Returns a
+    list of (step, rank, calc_diff, error or None)."""
     hidden, inter, topk, local_experts, max_tokens, steps = shape
-    layers, gen = make_world(num_ranks, shape, "cuda", seed)
+    layers, gen = make_world(num_ranks, shape, "cuda", seed, make_layer)
     bufs = mm.buffer.get_local_rank_buffers(num_ranks, local_experts * num_ranks, max_tokens, topk, hidden, inter)
     streams = [torch.cuda.Stream() for _ in range(num_ranks)]
     results = []
