@@ -19,7 +19,9 @@ own token count, so every entry is checked against shared memory once, at load.
 
 A table with "numerics" serves calls in that mode (docs/design.md section 2); one without
 serves both, so a shape may have one table per mode and one for both, the mode's own
-winning. "us" is the measured median time of the entry's config and "runner_up" the
+winning. A table with "weights": "mxfp4" serves calls on MXFP4 experts (read at 4 bits: other
+tiers and depths win), in the modes the kernel runs them in (fast); one without serves FP8
+experts. "us" is the measured median time of the entry's config and "runner_up" the
 second fastest config measured (`python -m megamoe_plugin.tune` writes both, so a table
 says what its choices rest on); an entry with "us" names its block_m and num_stages.
 Version 1 files (no "numerics", "note" on tables, "us" or "runner_up") are still read.
@@ -56,7 +58,9 @@ from .heuristics import (
     SMEM_LIMIT,
     implemented_block_m,
     KernelConfig,
+    WEIGHT_FORMATS,
     check_numerics,
+    check_weight_format,
     default_config,
     default_num_stages,
     expected_tokens_per_expert,
@@ -72,7 +76,7 @@ READABLE_VERSIONS = (1, 2)
 # key -> required, per schema version.
 _TOP_KEYS = {"gpu": True, "version": True, "tables": True, "note": False}
 _TABLE_KEYS = {1: {"shape": True, "entries": True},
-               2: {"shape": True, "numerics": False, "note": False, "entries": True}}
+               2: {"shape": True, "numerics": False, "weights": False, "note": False, "entries": True}}
 _SHAPE_KEYS = {"num_local_experts": True, "hidden": True, "intermediate_size": True, "num_topk": True}
 _ENTRY_KEYS = {1: {"block_m": False, "num_stages": False},
                2: {"block_m": False, "num_stages": False, "us": False, "runner_up": False}}
@@ -119,8 +123,8 @@ class ShapeTable:
         return self.entries[i if points[i - 1] * points[i] <= expected_tokens * expected_tokens else i - 1]
 
 
-# What a table serves: a shape, in one numerics mode or (None) in both.
-TableKey = Tuple[TableShape, Optional[str]]
+# What a table serves: a shape, in one numerics mode or (None) in both, for one weight format.
+TableKey = Tuple[TableShape, Optional[str], str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,10 +135,10 @@ class ConfigTable:
     note: Optional[str]
     tables: Mapping[TableKey, ShapeTable]
 
-    def find(self, shape: TableShape, numerics: Numerics) -> Optional[ShapeTable]:
-        """The table a call of this shape in this numerics mode reads: the mode's own,
-        else the shape's table for both modes, else None."""
-        return self.tables.get((shape, numerics), self.tables.get((shape, None)))
+    def find(self, shape: TableShape, numerics: Numerics, weights: str = "fp8") -> Optional[ShapeTable]:
+        """The table a call of this shape in this numerics mode on experts of format `weights`
+        reads: the mode's own, else the shape's table for both modes, else None."""
+        return self.tables.get((shape, numerics, weights), self.tables.get((shape, None, weights)))
 
 
 def table_path(gpu_name: str, configs_dir: Union[str, Path, None] = None) -> Path:
@@ -204,15 +208,23 @@ class _Validator:
             numerics = table.get("numerics")
             if "numerics" in table and numerics not in NUMERICS_MODES:  # null too: leave the key out for both
                 self.fail(f"{path}.numerics", f"expected one of {NUMERICS_MODES}, got {json.dumps(numerics)}")
+            weights = table.get("weights", "fp8")
+            if weights not in WEIGHT_FORMATS:
+                self.fail(f"{path}.weights", f"expected one of {WEIGHT_FORMATS}, got {json.dumps(weights)}")
             self.check_note(table, path)
-            key = (shape, numerics)
+            key = (shape, numerics, weights)
             if key in parsed:
                 self.fail(f"{path}.shape", f"duplicates {first_path[key]}"
-                          + ("" if numerics is None else f" for numerics {numerics!r}"))
+                          + ("" if numerics is None else f" for numerics {numerics!r}")
+                          + ("" if weights == "fp8" else f" for {weights} weights"))
             first_path[key] = f"{path}.shape"
             # A table for both modes must run in both: it is checked against each.
             modes = NUMERICS_MODES if numerics is None else (numerics,)
-            parsed[key] = self.check_entries(table["entries"], f"{path}.entries", shape, version, modes)
+            for mode in modes:
+                if not implemented_block_m(mode, weights):
+                    self.fail(f"{path}.numerics", f"the kernel runs {weights} weights in no tier of {mode!r} numerics"
+                                                  + (": give the modes it runs them in" if numerics is None else ""))
+            parsed[key] = self.check_entries(table["entries"], f"{path}.entries", shape, version, modes, weights)
         return ConfigTable(gpu=obj["gpu"], note=obj.get("note"), tables=types.MappingProxyType(parsed))
 
     def check_note(self, obj: Dict[str, Any], path: str) -> None:
@@ -229,7 +241,7 @@ class _Validator:
         )
 
     def check_entries(self, value: Any, path: str, shape: TableShape, version: int,
-                      modes: Tuple[str, ...]) -> ShapeTable:
+                      modes: Tuple[str, ...], weights: str) -> ShapeTable:
         if not isinstance(value, dict):
             self.fail(path, f"expected an object, got {type(value).__name__}")
         if not value:
@@ -242,12 +254,12 @@ class _Validator:
                 self.fail(entry_path, "key must be a positive number (expected tokens per expert)")
             if expected in points:
                 self.fail(entry_path, f"same expected tokens as {_entry_path(path, points[expected][0])}")
-            points[expected] = (key, self.check_entry(entry, entry_path, expected, shape, version, modes))
+            points[expected] = (key, self.check_entry(entry, entry_path, expected, shape, version, modes, weights))
         ordered = sorted(points.items())
         return ShapeTable(expected_tokens=tuple(p for p, _ in ordered), entries=tuple(e for _, (_, e) in ordered))
 
     def check_entry(self, value: Any, path: str, expected: float, shape: TableShape, version: int,
-                    modes: Tuple[str, ...]) -> TunedEntry:
+                    modes: Tuple[str, ...], weights: str) -> TunedEntry:
         self.check_object(value, path, _ENTRY_KEYS[version])
         if not value:
             self.fail(path, "empty entry: give block_m and/or num_stages")
@@ -258,43 +270,48 @@ class _Validator:
         elif "runner_up" in value:
             self.fail(path, "runner_up needs the entry's own measured time (us) beside it")
         if "block_m" in value:
-            block_m = self.check_block_m(value["block_m"], f"{path}.block_m", modes)
+            block_m = self.check_block_m(value["block_m"], f"{path}.block_m", modes, weights)
         else:
-            block_m = select_block_m(expected, [t for t in implemented_block_m(modes[0])
-                                                if all(t in implemented_block_m(m) for m in modes)])
+            block_m = select_block_m(expected, [t for t in implemented_block_m(modes[0], weights)
+                                                if all(t in implemented_block_m(m, weights) for m in modes)])
         if "num_stages" not in value:  # the heuristic's depth, the shallowest of the table's modes
             num_stages = min(default_num_stages(block_m, shape.num_local_experts, shape.hidden, shape.intermediate_size,
-                                                numerics=mode) for mode in modes)
+                                                numerics=mode, weights=weights) for mode in modes)
         else:
-            num_stages = self.check_num_stages(value["num_stages"], f"{path}.num_stages", block_m, shape, modes)
+            num_stages = self.check_num_stages(value["num_stages"], f"{path}.num_stages", block_m, shape, modes,
+                                               weights)
         if "runner_up" in value:
-            self.check_runner_up(value["runner_up"], f"{path}.runner_up", value, shape, modes)
+            self.check_runner_up(value["runner_up"], f"{path}.runner_up", value, shape, modes, weights)
         return TunedEntry(block_m=block_m, num_stages=num_stages)
 
-    def check_block_m(self, value: Any, path: str, modes: Tuple[str, ...]) -> int:
+    def check_block_m(self, value: Any, path: str, modes: Tuple[str, ...], weights: str) -> int:
         block_m = self.check_int(value, path)
         for mode in modes:  # a table for both modes names a tier both implement
-            if block_m not in implemented_block_m(mode):
-                self.fail(path, f"{block_m} is not a tier of {mode!r} numerics {implemented_block_m(mode)}")
+            tiers = implemented_block_m(mode, weights)
+            if block_m not in tiers:
+                self.fail(path, f"{block_m} is not a tier of {mode!r} numerics {tiers}"
+                                + ("" if weights == "fp8" else f" for {weights} weights"))
         return block_m
 
-    def check_num_stages(self, value: Any, path: str, block_m: int, shape: TableShape, modes: Tuple[str, ...]) -> int:
+    def check_num_stages(self, value: Any, path: str, block_m: int, shape: TableShape, modes: Tuple[str, ...],
+                         weights: str) -> int:
         num_stages = self.check_int(value, path, MIN_STAGES)
         for mode in modes:
-            needed = smem_bytes(block_m, num_stages, shape.num_local_experts, mode)
+            needed = smem_bytes(block_m, num_stages, shape.num_local_experts, mode, weights)
             if needed > SMEM_LIMIT:
                 self.fail(path, f"{num_stages} stages of block_m={block_m} with {shape.num_local_experts} local "
-                                f"experts need {needed} bytes of shared memory in {mode} numerics, more than the "
-                                f"{SMEM_LIMIT} available")
+                                f"experts need {needed} bytes of shared memory in {mode} numerics"
+                                + ("" if weights == "fp8" else f" with {weights} weights")
+                                + f", more than the {SMEM_LIMIT} available")
         return num_stages
 
     def check_runner_up(self, value: Any, path: str, winner: Dict[str, Any], shape: TableShape,
-                        modes: Tuple[str, ...]) -> None:
+                        modes: Tuple[str, ...], weights: str) -> None:
         """The second fastest config measured: a runnable config other than the winner,
         no faster than it."""
         self.check_object(value, path, _RUNNER_UP_KEYS)
-        block_m = self.check_block_m(value["block_m"], f"{path}.block_m", modes)
-        num_stages = self.check_num_stages(value["num_stages"], f"{path}.num_stages", block_m, shape, modes)
+        block_m = self.check_block_m(value["block_m"], f"{path}.block_m", modes, weights)
+        num_stages = self.check_num_stages(value["num_stages"], f"{path}.num_stages", block_m, shape, modes, weights)
         if (block_m, num_stages) == (winner["block_m"], winner["num_stages"]):
             self.fail(path, "is the entry's own config")
         if self.check_number(value["us"], f"{path}.us") < winner["us"]:
@@ -306,9 +323,10 @@ def validate_table(obj: Any, source: str) -> ConfigTable:
     """Check a parsed table file against the schema and the kernel's limits.
 
     Raises ValueError("<source>: <JSON path>: <problem>") at the first bad field:
-    unknown or missing keys, wrong types, an unsupported block_m or numerics, a
-    num_stages that does not fit in shared memory, a non-numeric or duplicate entry key,
-    no entries, two tables for one shape and mode, a runner-up faster than its entry.
+    unknown or missing keys, wrong types, an unsupported block_m, numerics or weight format
+    (or a mode the kernel does not run that format in), a num_stages that does not fit in
+    shared memory, a non-numeric or duplicate entry key, no entries, two tables for one
+    shape, mode and weight format, a runner-up faster than its entry.
     """
     return _Validator(source).check_table(obj)
 
@@ -358,12 +376,12 @@ def load_table(gpu_name: str, configs_dir: Union[str, Path, None] = None) -> Opt
 
 @functools.lru_cache(maxsize=None)
 def _lookup(gpu_name: str, num_ranks: int, num_experts: int, num_topk: int, hidden: int, intermediate_size: int,
-            num_tokens: int, num_sms: int, configs_dir: str, numerics: Numerics) -> KernelConfig:
+            num_tokens: int, num_sms: int, configs_dir: str, numerics: Numerics, weights: str) -> KernelConfig:
     config = default_config(num_ranks, num_experts, num_topk, hidden, intermediate_size, num_tokens, num_sms,
-                            numerics)
+                            numerics, weights)
     table = _load(gpu_name, configs_dir)
     shape_table = None if table is None else table.find(
-        TableShape(num_experts // num_ranks, hidden, intermediate_size, num_topk), numerics)
+        TableShape(num_experts // num_ranks, hidden, intermediate_size, num_topk), numerics, weights)
     if shape_table is None:
         return config
     entry = shape_table.nearest(expected_tokens_per_expert(num_tokens, num_ranks, num_topk, num_experts))
@@ -372,20 +390,22 @@ def _lookup(gpu_name: str, num_ranks: int, num_experts: int, num_topk: int, hidd
 
 def lookup_config(gpu_name: str, num_ranks: int, num_experts: int, num_topk: int, hidden: int,
                   intermediate_size: int, num_tokens: int, num_sms: int,
-                  configs_dir: Union[str, Path, None] = None, numerics: Numerics = DEFAULT_NUMERICS) -> KernelConfig:
-    """The config for a call: the GPU's table entry if there is one, else the heuristic
-    (whose pipeline depth depends on the numerics mode's shared memory).
+                  configs_dir: Union[str, Path, None] = None, numerics: Numerics = DEFAULT_NUMERICS,
+                  weights: str = "fp8") -> KernelConfig:
+    """The config for a call on experts of format `weights`: the GPU's table entry if there is
+    one, else the heuristic (whose pipeline depth depends on the numerics mode's and the weight
+    format's shared memory).
 
     The table must have this exact shape (num_experts / num_ranks local experts, hidden,
-    intermediate_size, num_topk) and serve the call's numerics mode (its own table, else
-    the shape's table for both modes); of its entries the one nearest to this call's
+    intermediate_size, num_topk), this weight format, and serve the call's numerics mode (its
+    own table, else the shape's table for both modes); of its entries the one nearest to this call's
     expected tokens per expert in log space is used, with num_sms from the call.
     Results are cached on all arguments (normalized to positional values, the
     directory as a string), so a repeated call is a dict lookup. The cache grows by
     one entry per distinct token count, bounded by the batch sizes a server runs.
     """
     return _lookup(gpu_name, num_ranks, num_experts, num_topk, hidden, intermediate_size, num_tokens, num_sms,
-                   _dir_key(configs_dir), check_numerics(numerics))
+                   _dir_key(configs_dir), check_numerics(numerics), check_weight_format(weights))
 
 
 # docs/design.md section 8: per-rank shapes of real models with 32 local experts, and the

@@ -203,9 +203,14 @@ def default_num_stages(block_m: int, num_local_experts: int, hidden: int, interm
     that tile's loads, and past MAX_STAGES the latency is already covered.
     """
     useful = max(MIN_STAGES, min(hidden, intermediate_size) // BLOCK_K)
-    # An MXFP4 stage carries half the weight bytes: twice the stages keep as many bytes in flight.
-    most = 2 * MAX_STAGES if weights == "mxfp4" else MAX_STAGES
-    return min(max_pipeline_stages(block_m, num_local_experts, smem_limit, numerics, weights), most, useful)
+    return min(max_pipeline_stages(block_m, num_local_experts, smem_limit, numerics, weights),
+               stages_in_flight(weights), useful)
+
+
+def stages_in_flight(weights: str = "fp8") -> int:
+    """The deepest pipeline worth its shared memory for this weight format: MAX_STAGES of FP8 stages;
+    an MXFP4 stage carries half the weight bytes, so twice the stages keep as many bytes in flight."""
+    return 2 * MAX_STAGES if check_weight_format(weights) == "mxfp4" else MAX_STAGES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,14 +1,15 @@
 """Tuning sweep: time the kernel's configs on this GPU and write the table the op layer reads.
 
     python -m megamoe_plugin.tune [--shapes v3,v4flash,qwen235,qwen30,e2e] [--tokens 1,8,...,8192]
-                                  [--numerics fast,exact] [--tiers 8,16,32,64] [--stages 4,6]
-                                  [--iters 20] [--output-dir DIR] [--dry-run | --compile-only]
+                                  [--numerics fast,exact] [--weights fp8|mxfp4] [--tiers 8,16,32,64]
+                                  [--stages 4,6] [--iters 20] [--output-dir DIR] [--dry-run | --compile-only]
 
 For each shape, numerics mode and token count per rank it times candidate configs
 (BLOCK_M tier x pipeline stages) of the fused kernel on one GPU, and writes the fastest
 of each into `<output-dir>/<GPU>.json` (configs.table_path; default: MEGAMOE_CONFIGS_DIR,
 else the shipped configs/), one table per shape and mode, with its time and the
-runner-up's, and the command and date in the table's note. Tables of other shapes and
+runner-up's, and the command and date in the table's note. --weights mxfp4 tunes calls on
+MXFP4 experts (fast numerics: the modes the kernel runs them in) into tables of their own. Tables of other shapes and
 modes already in the file are kept. The op layer then picks the entry nearest to a
 call's expected tokens per expert (configs.lookup_config); shapes and modes without a
 table keep the heuristic.
@@ -61,6 +62,8 @@ from .heuristics import (
     implemented_block_m,
     max_pipeline_stages,
     select_block_m,
+    stages_in_flight,
+    WEIGHT_FORMATS,
 )
 from .jit import compile_variants
 from .kernel_variant import KernelVariant
@@ -83,24 +86,31 @@ class Candidate(NamedTuple):
 
 
 class Point(NamedTuple):
-    """One (shape, token count, numerics mode) of the sweep and the configs it times there."""
+    """One (shape, token count, numerics mode, weight format) of the sweep and the configs it times
+    there."""
 
     shape_name: str
     shape: TableShape
     tokens: int
     numerics: Numerics
     candidates: Tuple[Candidate, ...]
+    weights: str = "fp8"
 
     @property
     def expected_tokens(self) -> float:
         return expected_tokens_per_expert(self.tokens, 1, self.shape.num_topk, self.shape.num_local_experts)
 
+    @property
+    def label(self) -> str:
+        """The shape's name, with +w4 for MXFP4 experts (as the bench names its configs)."""
+        return self.shape_name + ("+w4" if self.weights == "mxfp4" else "")
+
     def heuristic(self) -> Candidate:
         """What a call would run without a table (heuristics.default_config at R = 1)."""
-        block_m = select_block_m(self.expected_tokens, implemented_block_m(self.numerics))
+        block_m = select_block_m(self.expected_tokens, implemented_block_m(self.numerics, self.weights))
         s = self.shape
         return Candidate(block_m, default_num_stages(block_m, s.num_local_experts, s.hidden, s.intermediate_size,
-                                                     numerics=self.numerics))
+                                                     numerics=self.numerics, weights=self.weights))
 
 
 # (candidate, median seconds), fastest first.
@@ -109,46 +119,54 @@ Timer = Callable[[Point, Candidate], float]
 
 
 def tier_candidates(expected_tokens: float, tiers: Optional[Sequence[int]] = None,
-                    numerics: Numerics = DEFAULT_NUMERICS) -> Tuple[int, ...]:
-    """`tiers` if given (those the mode implements), else the heuristic's tier and its
-    neighbours among the mode's tiers: the tier bounds come from a few measured shapes
+                    numerics: Numerics = DEFAULT_NUMERICS, weights: str = "fp8") -> Tuple[int, ...]:
+    """`tiers` if given (those the mode implements for the weight format), else the heuristic's
+    tier and its neighbours among those: the tier bounds come from a few measured shapes
     (heuristics._TIER_UPPER_BOUNDS), so the winner elsewhere is near them, not far off."""
-    own = implemented_block_m(numerics)
+    own = implemented_block_m(numerics, weights)
     if tiers is not None:
         return tuple(t for t in tiers if t in own)
-    i = own.index(select_block_m(expected_tokens, implemented_block_m(numerics)))
+    i = own.index(select_block_m(expected_tokens, own))
     return own[max(0, i - 1): i + 2]
 
 
 def stage_candidates(block_m: int, shape: TableShape, numerics: Numerics,
-                     stages: Optional[Sequence[int]] = None) -> Tuple[int, ...]:
-    """Of `stages` (if given) those that fit in shared memory in this numerics mode; else
-    the heuristic's depth (as many as fit, up to MAX_STAGES) and MAX_STAGES / 2, which
-    shows whether the deepest pipeline is worth its shared memory."""
-    most = max_pipeline_stages(block_m, shape.num_local_experts, numerics=numerics)
+                     stages: Optional[Sequence[int]] = None, weights: str = "fp8") -> Tuple[int, ...]:
+    """Of `stages` (if given) those that fit in shared memory in this numerics mode with this
+    weight format; else the heuristic's depth (as many as fit, up to heuristics.stages_in_flight)
+    and half that, which shows whether the deepest pipeline is worth its shared memory."""
+    most = max_pipeline_stages(block_m, shape.num_local_experts, numerics=numerics, weights=weights)
     if stages is not None:
         return tuple(sorted({s for s in stages if s <= most}))
     heuristic = default_num_stages(block_m, shape.num_local_experts, shape.hidden, shape.intermediate_size,
-                                   numerics=numerics)
-    return tuple(sorted({heuristic, min(max(MIN_STAGES, MAX_STAGES // 2), most)}))
+                                   numerics=numerics, weights=weights)
+    return tuple(sorted({heuristic, min(max(MIN_STAGES, stages_in_flight(weights) // 2), most)}))
 
 
 def plan(shapes: Mapping[str, TableShape], tokens: Sequence[int], numerics: Sequence[str] = NUMERICS_MODES,
-         tiers: Optional[Sequence[int]] = None, stages: Optional[Sequence[int]] = None) -> List[Point]:
-    """The sweep's points, grouped by shape (the timer builds one layer per shape), then by
-    token count (the modes of one count time the same inputs)."""
+         tiers: Optional[Sequence[int]] = None, stages: Optional[Sequence[int]] = None,
+         weights: str = "fp8") -> List[Point]:
+    """The sweep's points on experts of format `weights`, grouped by shape (the timer builds one
+    layer per shape), then by token count (the modes of one count time the same inputs)."""
+    for mode in numerics:
+        if not implemented_block_m(mode, weights):
+            raise ValueError(f"--numerics {mode}: the kernel runs {weights} weights in no tier of {mode!r} numerics")
     points = []
     for name, shape in shapes.items():
         for n in sorted(set(tokens)):
             expected = expected_tokens_per_expert(n, 1, shape.num_topk, shape.num_local_experts)
             for mode in dict.fromkeys(numerics):
-                candidates = tuple(Candidate(block_m, s) for block_m in tier_candidates(expected, tiers, mode)
-                                   for s in stage_candidates(block_m, shape, mode, stages))
+                tier_set = tier_candidates(expected, tiers, mode, weights)
+                candidates = tuple(Candidate(block_m, s) for block_m in tier_set
+                                   for s in stage_candidates(block_m, shape, mode, stages, weights))
+                if not tier_set:
+                    raise ValueError(f"--tiers {','.join(map(str, tiers))}: none is a tier of {mode} numerics with "
+                                     f"{weights} weights {implemented_block_m(mode, weights)}")
                 if not candidates:
                     raise ValueError(f"--stages {','.join(map(str, stages))}: none fits in shared memory at any of "
-                                     f"the tiers {tier_candidates(expected, tiers, mode)} for {name} "
-                                     f"({shape.num_local_experts} local experts) in {mode} numerics")
-                points.append(Point(name, shape, n, mode, candidates))
+                                     f"the tiers {tier_set} for {name} ({shape.num_local_experts} local experts) in "
+                                     f"{mode} numerics with {weights} weights")
+                points.append(Point(name, shape, n, mode, candidates, weights))
     return points
 
 
@@ -156,7 +174,7 @@ def variant_of(point: Point, candidate: Candidate) -> KernelVariant:
     """The kernel a candidate runs: one rank, fast_math on (the op's default)."""
     s = point.shape
     return KernelVariant(s.hidden, s.intermediate_size, s.num_topk, s.num_local_experts, 1, candidate.block_m,
-                         candidate.num_stages, True, point.numerics)
+                         candidate.num_stages, True, point.numerics, weights=point.weights)
 
 
 def variants_of(points: Sequence[Point]) -> List[KernelVariant]:
@@ -181,7 +199,7 @@ def compile_all(points: Sequence[Point]) -> List[Point]:
     for p in points:
         candidates = tuple(c for c in p.candidates if variant_of(p, c) not in failed)
         if not candidates:
-            raise RuntimeError(f"megamoe tune: no candidate of {p.shape_name} at {p.tokens} tokens in {p.numerics} "
+            raise RuntimeError(f"megamoe tune: no candidate of {p.label} at {p.tokens} tokens in {p.numerics} "
                                "numerics compiles")
         kept.append(p._replace(candidates=candidates))
     return kept
@@ -193,7 +211,7 @@ def sweep(points: Sequence[Point], timer: Timer) -> List[Tuple[Point, Timings]]:
     progress = progress_bar(sum(len(p.candidates) for p in points), "megamoe tune: timing", "config")
     results = []
     for p in points:
-        progress.set_postfix_str(f"{p.shape_name}, {p.tokens} tokens, {p.numerics}")
+        progress.set_postfix_str(f"{p.label}, {p.tokens} tokens, {p.numerics}")
         timings = []
         for c in p.candidates:
             timings.append((c, timer(p, c)))
@@ -208,12 +226,13 @@ def _us(seconds: float) -> float:
 
 
 def tables_from(results: Sequence[Tuple[Point, Timings]], note: str) -> List[Dict[str, Any]]:
-    """Table objects (configs schema version 2), one per shape and numerics mode: each
-    point's winner with its time and the runner-up."""
-    tables: Dict[Tuple[TableShape, str], Dict[str, Any]] = {}
+    """Table objects (configs schema version 2), one per shape, numerics mode and weight format
+    (named in the table for MXFP4 only): each point's winner with its time and the runner-up."""
+    tables: Dict[Tuple[TableShape, str, str], Dict[str, Any]] = {}
     for point, timings in results:
-        table = tables.setdefault((point.shape, point.numerics), {
-            "shape": point.shape._asdict(), "numerics": point.numerics, "note": note, "entries": {}})
+        table = tables.setdefault((point.shape, point.numerics, point.weights), {
+            "shape": point.shape._asdict(), "numerics": point.numerics,
+            **({} if point.weights == "fp8" else {"weights": point.weights}), "note": note, "entries": {}})
         (best, t_best), *rest = timings
         entry: Dict[str, Any] = {"block_m": best.block_m, "num_stages": best.num_stages, "us": _us(t_best)}
         if rest:
@@ -225,14 +244,14 @@ def tables_from(results: Sequence[Tuple[Point, Timings]], note: str) -> List[Dic
 
 def merged_file(existing: Optional[Dict[str, Any]], gpu: str, tables: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """The table file with `tables` in place of the existing file's tables of the same
-    shape and numerics mode. A table for both modes goes once every mode of its shape has
-    a new table, as nothing would read it; other tables are kept, and a version-1 file's
-    note moves onto its tables."""
-    swept = [(t["shape"], t["numerics"]) for t in tables]
+    shape, numerics mode and weight format. A table for both modes goes once every mode of
+    its shape and format has a new table, as nothing would read it; other tables are kept, and
+    a version-1 file's note moves onto its tables."""
+    swept = [(t["shape"], t["numerics"], t.get("weights", "fp8")) for t in tables]
     kept = []
     for old in (existing or {}).get("tables", []):
         modes = [old["numerics"]] if "numerics" in old else NUMERICS_MODES
-        if all((old["shape"], mode) in swept for mode in modes):
+        if all((old["shape"], mode, old.get("weights", "fp8")) in swept for mode in modes):
             continue
         old = dict(old)
         if existing["version"] == 1 and "note" in existing:
@@ -272,7 +291,7 @@ def summary(results: Sequence[Tuple[Point, Timings]]) -> str:
         t_second = f"{_us(rest[0][1]):8.1f}" if rest else f"{'-':>8s}"
         heuristic = p.heuristic()
         t_heuristic = dict(timings).get(heuristic)
-        lines.append(f"{p.shape_name:8s} {p.tokens:6d} {p.expected_tokens:8.4g} {p.numerics:8s}  "
+        lines.append(f"{p.label:8s} {p.tokens:6d} {p.expected_tokens:8.4g} {p.numerics:8s}  "
                      f"{f'{best.block_m}/{best.num_stages}':>8s} {_us(t_best):8.1f}  {second:>9s} {t_second}  "
                      f"{f'{heuristic.block_m}/{heuristic.num_stages}':>9s} "
                      + (f"{_us(t_heuristic):8.1f}" if t_heuristic is not None else f"{'not run':>8s}"))
@@ -283,7 +302,7 @@ def describe_plan(points: Sequence[Point], iters: int) -> str:
     """--dry-run: every point's candidates (block_m/stages) and what the sweep will cost."""
     lines = [f"{'shape':8s} {'tokens':>6s} {'rows/exp':>8s} {'numerics':8s}  candidates (block_m/stages)"]
     for p in points:
-        lines.append(f"{p.shape_name:8s} {p.tokens:6d} {p.expected_tokens:8.4g} {p.numerics:8s}  "
+        lines.append(f"{p.label:8s} {p.tokens:6d} {p.expected_tokens:8.4g} {p.numerics:8s}  "
                      + " ".join(f"{c.block_m}/{c.num_stages}" for c in p.candidates))
     configs = sum(len(p.candidates) for p in points)
     # Per candidate: one eager call before the capture (kernel load), the warm-up
@@ -311,8 +330,9 @@ def forced(candidate: Candidate) -> Iterator[None]:
 
 
 class KernelTimer:
-    """Times candidates on the current GPU: one random layer and buffer per shape, random
-    uniformly routed inputs per token count (the same for every candidate of a point)."""
+    """Times candidates on the current GPU: one random layer (of the points' weight format) and
+    buffer per shape, random uniformly routed inputs per token count (the same for every
+    candidate of a point)."""
 
     def __init__(self, points: Sequence[Point], iters: int):
         import torch
@@ -326,24 +346,25 @@ class KernelTimer:
         self.max_tokens: Dict[TableShape, int] = {}
         for p in points:
             self.max_tokens[p.shape] = max(self.max_tokens.get(p.shape, 0), p.tokens)
-        self.shape: Optional[TableShape] = None
+        self.shape: Optional[Tuple[TableShape, str]] = None  # and the weight format
         self.tokens: Optional[int] = None
 
-    def _load_shape(self, shape: TableShape) -> None:
+    def _load_shape(self, shape: TableShape, weights: str) -> None:
         from . import get_symm_buffer
-        from .testing import random_layer
+        from .testing import random_layer, random_mxfp4_layer
 
         self.layer = self.buf = None  # free the previous shape's weights before allocating these
         self.torch.cuda.empty_cache()
-        self.layer = random_layer(shape.num_local_experts, shape.hidden, shape.intermediate_size, "cuda", self.gen)
+        make_layer = random_mxfp4_layer if weights == "mxfp4" else random_layer
+        self.layer = make_layer(shape.num_local_experts, shape.hidden, shape.intermediate_size, "cuda", self.gen)
         self.buf = get_symm_buffer(None, shape.num_local_experts, self.max_tokens[shape], shape.num_topk,
                                    shape.hidden, shape.intermediate_size)
-        self.shape, self.tokens = shape, None
+        self.shape, self.tokens = (shape, weights), None
 
     def _load_tokens(self, tokens: int) -> None:
         from .testing import fill_buffer, random_inputs
 
-        s = self.shape
+        s = self.shape[0]
         fill_buffer(self.buf, random_inputs(tokens, s.hidden, s.num_local_experts, s.num_topk, "uniform", "cuda",
                                             self.gen))
         self.y = self.torch.empty(tokens, s.hidden, dtype=self.torch.bfloat16, device="cuda")
@@ -353,8 +374,8 @@ class KernelTimer:
         from .ops import fp8_mega_moe
         from .timing import graphed, median_call_seconds
 
-        if point.shape != self.shape:
-            self._load_shape(point.shape)
+        if (point.shape, point.weights) != self.shape:
+            self._load_shape(point.shape, point.weights)
         if point.tokens != self.tokens:
             self._load_tokens(point.tokens)
         with forced(candidate):  # the variant is chosen in the eager call and baked into the graph
@@ -421,8 +442,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "LOCALxHIDDENxINTERxTOPK, comma-separated")
     parser.add_argument("--tokens", type=_int_list(1), default=REFERENCE_TOKENS_PER_RANK,
                         help="tokens per rank to tune at (default: %(default)s)")
-    parser.add_argument("--numerics", type=_modes, default=NUMERICS_MODES,
-                        help="numerics modes to tune, a table each (docs/design.md section 2; default: %(default)s)")
+    parser.add_argument("--numerics", type=_modes,
+                        help="numerics modes to tune, a table each (docs/design.md section 2; default: those the "
+                             f"kernel runs the weight format in, {NUMERICS_MODES} for fp8)")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="fp8",
+                        help="the experts' weight format: fp8 (128x128 blocks) or mxfp4 (read at 4 bits), "
+                             "tables of their own (default: %(default)s)")
     parser.add_argument("--tiers", type=_int_list(1, IMPLEMENTED_BLOCK_M),
                         help="BLOCK_M tiers to time at every token count (default: the heuristic's and its neighbours)")
     parser.add_argument("--stages", type=_int_list(MIN_STAGES),
@@ -435,8 +460,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     mode.add_argument("--dry-run", action="store_true", help="print the candidates and the cost; run nothing")
     mode.add_argument("--compile-only", action="store_true", help="compile every candidate variant (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.numerics is None:
+        args.numerics = tuple(m for m in NUMERICS_MODES if implemented_block_m(m, args.weights))
     try:
-        args.points = plan(args.shapes, args.tokens, args.numerics, args.tiers, args.stages)
+        args.points = plan(args.shapes, args.tokens, args.numerics, args.tiers, args.stages, args.weights)
     except ValueError as exc:
         parser.error(str(exc))
     return args

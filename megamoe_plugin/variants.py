@@ -20,16 +20,14 @@ def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math:
                 weights: str = "fp8") -> KernelVariant:
     """select_variant without a buffer or a GPU, for a buffer of shape `s` (buffer.BufferShape)
     on `grid_size` SMs of `device_name` (tests/gpu/cases.py precompiles with it), for expert weights
-    of format `weights` (weights.weight_format). The tuned tables hold FP8 weights' configs: MXFP4
-    weights take the heuristic's."""
+    of format `weights` (weights.weight_format): the GPU's table for that format, else the heuristic."""
     from .configs import lookup_config
-    from .heuristics import (KernelConfig, check_weights_numerics, default_config, default_num_stages,
+    from .heuristics import (KernelConfig, check_weights_numerics, default_num_stages,
                              implemented_block_m, max_pipeline_stages, runnable_block_m)
 
     check_weights_numerics(weights, numerics)
     shape = (s.num_ranks, s.num_experts, s.num_topk, s.hidden, s.intermediate_size, num_tokens, grid_size)
-    cfg = (default_config(*shape, numerics=numerics, weights=weights) if weights == "mxfp4"
-           else lookup_config(device_name, *shape, numerics=numerics))
+    cfg = lookup_config(device_name, *shape, numerics=numerics, weights=weights)
     tiers = implemented_block_m(numerics, weights)
     if forced_block_m is not None and forced_block_m not in tiers:
         raise ValueError(f"MEGAMOE_BLOCK_M={forced_block_m} is not implemented in {numerics!r} numerics"

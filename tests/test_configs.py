@@ -15,7 +15,7 @@ from megamoe_plugin.configs import (
     table_path,
     validate_table,
 )
-from megamoe_plugin.heuristics import SMEM_LIMIT, default_config, default_num_stages, smem_bytes
+from megamoe_plugin.heuristics import NUMERICS_MODES, SMEM_LIMIT, default_config, default_num_stages, smem_bytes
 from megamoe_plugin.paths import CONFIGS_DIR
 
 GPU = "Test GPU 80GB"
@@ -80,9 +80,10 @@ def test_load_table_parses_and_sorts(tmp_path):
     table = load_table(GPU, tmp_path)
     assert (table.gpu, table.note) == (GPU, "hand-written for the tests")
     shape = TableShape(**SHAPE)
-    assert list(table.tables) == [(shape, None)]
-    assert table.find(shape, "fast") is table.find(shape, "exact") is table.tables[shape, None]
-    assert table.tables[shape, None] == ShapeTable(
+    assert list(table.tables) == [(shape, None, "fp8")]
+    assert table.find(shape, "fast") is table.find(shape, "exact") is table.tables[shape, None, "fp8"]
+    assert table.find(shape, "fast", "mxfp4") is None
+    assert table.tables[shape, None, "fp8"] == ShapeTable(
         expected_tokens=(0.5, 4.0, 64.0),
         entries=(TunedEntry(64, default_num_stages(64, 32, 4096, 2048, numerics="exact")), TunedEntry(8, 3), TunedEntry(64, 4)))
 
@@ -195,6 +196,16 @@ SCHEMA_V2_ERRORS = {
                        "expected an object, got list"),
     "runner_up missing key": (edit(lambda t: fast_entry(t)["runner_up"].pop("us")),
                               '$.tables[0].entries["2"].runner_up', "missing key 'us'"),
+    "weights value": (edit(lambda t: t["tables"][0].update(weights="fp4")), "$.tables[0].weights",
+                      "expected one of ('fp8', 'mxfp4'), got \"fp4\""),
+    "MXFP4 in exact numerics": (edit(lambda t: t["tables"][1].update(weights="mxfp4")), "$.tables[1].numerics",
+                                "the kernel runs mxfp4 weights in no tier of 'exact' numerics"),
+    "MXFP4 for both modes": (edit(lambda t: (t["tables"][0].update(weights="mxfp4"), t["tables"][0].pop("numerics"))),
+                             "$.tables[0].numerics", "no tier of 'exact' numerics: give the modes it runs them in"),
+    "MXFP4 block_m 128": (edit(lambda t: (t["tables"][0].update(weights="mxfp4"),
+                                          t["tables"][0]["entries"]["64"].update(block_m=128))),
+                          '$.tables[0].entries["64"].block_m',
+                          "128 is not a tier of 'fast' numerics (8, 16, 32, 64) for mxfp4 weights"),
     "runner_up block_m": (edit(lambda t: fast_entry(t)["runner_up"].update(block_m=48)),
                           '$.tables[0].entries["2"].runner_up.block_m', "48 is not a tier of 'fast' numerics"),
     "block_m 128 in an exact table": (edit(lambda t: t["tables"][1]["entries"]["2"].update(block_m=128)),
@@ -227,9 +238,39 @@ def test_validate_table_accepts_the_valid_tables():
     assert validate_table(valid_table(), "x.json").gpu == GPU
     table = validate_table(measured_table(), "x.json")
     shape = TableShape(**SHAPE)
-    assert set(table.tables) == {(shape, "fast"), (shape, "exact")}
+    assert set(table.tables) == {(shape, "fast", "fp8"), (shape, "exact", "fp8")}
     assert table.find(shape, "fast").entries == (TunedEntry(8, 6), TunedEntry(64, 4))
     assert table.find(shape, "exact").entries == (TunedEntry(16, 4),)
+
+
+def test_mxfp4_tables_serve_mxfp4_calls_only(tmp_path):
+    """A table for MXFP4 experts sits beside the shape's FP8 table: each weight format's calls read
+    their own, and one format's table never stands in for the other's."""
+    obj = measured_table()
+    fp4 = copy.deepcopy(obj["tables"][0])
+    fp4.update(weights="mxfp4", note="MXFP4 experts")
+    # 10 stages of BLOCK_M 8 fit with MXFP4's half-size B tiles, not with FP8's.
+    fp4["entries"] = {"2": {"block_m": 8, "num_stages": 10, "us": 50.0,
+                            "runner_up": {"block_m": 16, "num_stages": 9, "us": 51.0}}}
+    assert smem_bytes(8, 10, SHAPE["num_local_experts"], "fast") > SMEM_LIMIT
+    obj["tables"].append(fp4)
+    table = validate_table(obj, "x.json")
+    shape = TableShape(**SHAPE)
+    assert table.find(shape, "fast", "mxfp4").entries == (TunedEntry(8, 10),)
+    assert table.find(shape, "fast").entries == (TunedEntry(8, 6), TunedEntry(64, 4))
+    assert table.find(shape, "exact", "mxfp4") is None
+    write(tmp_path, obj)
+    args = (GPU, 1, SHAPE["num_local_experts"], SHAPE["num_topk"], SHAPE["hidden"], SHAPE["intermediate_size"], 8, 132)
+    assert lookup_config(*args, configs_dir=tmp_path, numerics="fast", weights="mxfp4").num_stages == 10
+    assert lookup_config(*args, configs_dir=tmp_path, numerics="fast").num_stages == 6
+    fp4_twin = copy.deepcopy(fp4)
+    obj["tables"].append(fp4_twin)
+    with pytest.raises(ValueError, match=r"\$.tables\[3\].shape: duplicates \$.tables\[2\].shape for numerics 'fast' "
+                                         "for mxfp4 weights"):
+        validate_table(obj, "x.json")
+    fp4_twin["weights"] = "fp8"  # the FP8 fast table's twin, and 10 stages do not fit FP8's tiles
+    with pytest.raises(ValueError, match="duplicates"):
+        validate_table(obj, "x.json")
 
 
 def test_a_table_for_one_mode_is_checked_against_that_modes_shared_memory():
@@ -398,7 +439,8 @@ def test_every_shipped_entry_fits_shared_memory():
     for path in sorted(CONFIGS_DIR.glob("*.json")):
         gpu = json.loads(path.read_text(encoding="utf-8"))["gpu"]
         assert table_path(gpu).name == path.name
-        for (shape, _numerics), shape_table in load_table(gpu, CONFIGS_DIR).tables.items():
+        for (shape, numerics, weights), shape_table in load_table(gpu, CONFIGS_DIR).tables.items():
             for entry in shape_table.entries:
-                assert smem_bytes(entry.block_m, entry.num_stages, shape.num_local_experts) <= SMEM_LIMIT, (
-                    path.name, shape, entry)
+                for mode in NUMERICS_MODES if numerics is None else (numerics,):
+                    assert smem_bytes(entry.block_m, entry.num_stages, shape.num_local_experts, mode,
+                                      weights) <= SMEM_LIMIT, (path.name, shape, entry)

@@ -106,6 +106,41 @@ def test_written_table_round_trips_and_serves_lookup_config(tmp_path):
     assert winners[32, "fast"] != winners[32, "exact"]
 
 
+def test_mxfp4_experts_are_tuned_into_tables_of_their_own(tmp_path):
+    """--weights mxfp4: the MXFP4 tiers (fast numerics) at MXFP4 depths (half-size stages: deeper
+    pipelines fit), compiled as MXFP4 variants, written as tables that name the format beside the
+    shape's FP8 tables, which stay; each format's calls then read their own."""
+    points = tune.plan({"x": SHAPE}, [1, 512], ["fast"], weights="mxfp4")
+    for p in points:
+        assert p.weights == "mxfp4" and p.label == "x+w4" and p.heuristic() in p.candidates
+        assert {c.block_m for c in p.candidates} <= set(implemented_block_m("fast", "mxfp4"))
+        for c in p.candidates:
+            assert smem_bytes(c.block_m, c.num_stages, SHAPE.num_local_experts, "fast", "mxfp4") <= SMEM_LIMIT
+            assert tune.variant_of(p, c).weights == "mxfp4"
+    deepest = max(c.num_stages for p in points for c in p.candidates)
+    assert smem_bytes(8, deepest, SHAPE.num_local_experts, "fast") > SMEM_LIMIT  # deeper than FP8 fits
+    with pytest.raises(ValueError, match="runs mxfp4 weights in no tier of 'exact' numerics"):
+        tune.plan({"x": SHAPE}, [1], ["exact"], weights="mxfp4")
+
+    tune.write_table(tune.sweep(tune.plan({"x": SHAPE}, [1, 512]), fake_seconds), GPU, tmp_path, "fp8")
+    results = tune.sweep(points, lambda p, c: fake_seconds(p, c) - 1e-7 * c.num_stages)
+    tune.write_table(results, GPU, tmp_path, "mxfp4")
+    obj = json.loads(table_path(GPU, tmp_path).read_text())
+    assert [(t["numerics"], t.get("weights"), t["note"]) for t in obj["tables"]] == [
+        ("fast", None, "fp8"), ("exact", None, "fp8"), ("fast", "mxfp4", "mxfp4")]
+    winners = {p.tokens: timings[0][0] for p, timings in results}
+    for tokens in (1, 512):
+        config = lookup_config(GPU, 1, 32, 8, 4096, 2048, tokens, 132, configs_dir=tmp_path, numerics="fast",
+                               weights="mxfp4")
+        assert Candidate(config.block_m, config.num_stages) == winners[tokens]
+    fp8 = load_table(GPU, tmp_path).find(SHAPE, "fast")
+    assert fp8.entries != load_table(GPU, tmp_path).find(SHAPE, "fast", "mxfp4").entries
+    # Sweeping MXFP4 again replaces its own table only.
+    tune.write_table(results, GPU, tmp_path, "mxfp4 again")
+    again = json.loads(table_path(GPU, tmp_path).read_text())
+    assert [t["note"] for t in again["tables"]] == ["fp8", "fp8", "mxfp4 again"]
+
+
 def test_a_single_candidate_is_written_without_a_runner_up(tmp_path):
     results = tune.sweep(tune.plan({"x": SHAPE}, [4096], ["fast"], tiers=[64], stages=[4]), fake_seconds)
     path = tune.write_table(results, GPU, tmp_path, "one config")
@@ -252,12 +287,28 @@ def test_main_times_and_writes_the_table_with_its_command_and_date(monkeypatch, 
     (["--shapes", "1024x2048x768x8"], "argument --shapes: shape '1024x2048x768x8': num_experts=1024 is invalid: "
                                       "expected at most 512 experts per rank"),
     (["--dry-run", "--compile-only"], "argument --compile-only: not allowed with argument --dry-run"),
+    (["--weights", "fp4"], "argument --weights: invalid choice: 'fp4'"),
+    (["--weights", "mxfp4", "--numerics", "exact"],
+     "--numerics exact: the kernel runs mxfp4 weights in no tier of 'exact' numerics"),
+    (["--weights", "mxfp4", "--tiers", "128"], "--tiers 128: none is a tier of fast numerics with mxfp4 weights"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         tune.parse_args(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_weights_mxfp4_tunes_the_modes_the_kernel_runs_it_in(monkeypatch, tmp_path):
+    monkeypatch.setattr(tune, "compile_variants", fake_compile())
+    monkeypatch.setattr(tune, "_cuda_device", lambda: (GPU, 132))
+    monkeypatch.setattr(tune, "KernelTimer", lambda points, iters: fake_seconds)
+    assert tune.parse_args(["--weights", "mxfp4"]).numerics == ("fast",)
+    assert tune.parse_args([]).numerics == NUMERICS_MODES
+    assert tune.main(["--shapes", "qwen30", "--tokens", "8", "--weights", "mxfp4", "--output-dir", str(tmp_path)]) == 0
+    [table] = json.loads(table_path(GPU, tmp_path).read_text())["tables"]
+    assert (table["numerics"], table["weights"]) == ("fast", "mxfp4")
+    assert "--weights mxfp4" in table["note"]
 
 
 def test_a_shape_given_as_numbers():
