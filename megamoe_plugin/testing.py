@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .fp8 import dequantize_per_token_group, dequantize_weight_blocks, quantize_per_token_group, quantize_weight_blocks
-from .heuristics import Numerics
+from .heuristics import Numerics, check_weight_format
 from .weights import transform_weights, untransform_weights
 
 ROUTINGS = ("uniform", "masked", "one_expert", "half_empty")
@@ -63,6 +63,12 @@ def random_mxfp4_layer(num_local_experts: int, hidden: int, intermediate: int, d
     checkpoint = dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)
     l1, l2 = transform_weights((w13, w13_scale), (w2, w2_scale))
     return Layer(checkpoint, l1, l2)
+
+
+def random_layer_of(weights: str):
+    """The random-layer maker for experts of format `weights` (heuristics.WEIGHT_FORMATS):
+    random_layer or random_mxfp4_layer, called as random_layer is."""
+    return {"fp8": random_layer, "mxfp4": random_mxfp4_layer}[check_weight_format(weights)]
 
 
 def with_shared_experts(layer: Layer, shared: Dict[str, torch.Tensor]) -> Layer:

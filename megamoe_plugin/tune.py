@@ -19,7 +19,8 @@ one rank with E/R experts, so tables are keyed by local experts and tuned at R =
 
 Device time is scarce, so the sweep is pruned: by default each token count measures
 the heuristic's tier and its implemented neighbours (one tier down and up), each at the
-heuristic's stage count and at MAX_STAGES / 2; --tiers and --stages replace those sets.
+heuristic's stage count and at half the deepest pipeline worth its shared memory
+(heuristics.stages_in_flight: MAX_STAGES / 2, MXFP4's twice that); --tiers and --stages replace those sets.
 Every candidate variant is compiled first, in parallel, so no compile lands between
 timings; --compile-only stops there (nvcc needs no GPU: precompile on a CPU machine and
 copy MEGAMOE_CACHE_DIR over), --dry-run prints the candidates and the number of timed runs.
@@ -53,10 +54,10 @@ from .configs import (
 from .heuristics import (
     DEFAULT_NUMERICS,
     IMPLEMENTED_BLOCK_M,
-    MAX_STAGES,
     MIN_STAGES,
     NUMERICS_MODES,
     Numerics,
+    default_config,
     default_num_stages,
     expected_tokens_per_expert,
     implemented_block_m,
@@ -67,6 +68,7 @@ from .heuristics import (
 )
 from .jit import compile_variants
 from .kernel_variant import KernelVariant
+from .variants import ANY_GRID_SIZE
 from .progress import progress_bar
 
 # The shapes the sweep knows by name: docs/design.md section 8's reference configs and the
@@ -106,11 +108,11 @@ class Point(NamedTuple):
         return self.shape_name + ("+w4" if self.weights == "mxfp4" else "")
 
     def heuristic(self) -> Candidate:
-        """What a call would run without a table (heuristics.default_config at R = 1)."""
-        block_m = select_block_m(self.expected_tokens, implemented_block_m(self.numerics, self.weights))
+        """What a call would run without a table: heuristics.default_config at R = 1."""
         s = self.shape
-        return Candidate(block_m, default_num_stages(block_m, s.num_local_experts, s.hidden, s.intermediate_size,
-                                                     numerics=self.numerics, weights=self.weights))
+        config = default_config(1, s.num_local_experts, s.num_topk, s.hidden, s.intermediate_size, self.tokens,
+                                ANY_GRID_SIZE, self.numerics, self.weights)
+        return Candidate(config.block_m, config.num_stages)
 
 
 # (candidate, median seconds), fastest first.
@@ -351,12 +353,11 @@ class KernelTimer:
 
     def _load_shape(self, shape: TableShape, weights: str) -> None:
         from . import get_symm_buffer
-        from .testing import random_layer, random_mxfp4_layer
+        from .testing import random_layer_of
 
         self.layer = self.buf = None  # free the previous shape's weights before allocating these
         self.torch.cuda.empty_cache()
-        make_layer = random_mxfp4_layer if weights == "mxfp4" else random_layer
-        self.layer = make_layer(shape.num_local_experts, shape.hidden, shape.intermediate_size, "cuda", self.gen)
+        self.layer = random_layer_of(weights)(shape.num_local_experts, shape.hidden, shape.intermediate_size, "cuda", self.gen)
         self.buf = get_symm_buffer(None, shape.num_local_experts, self.max_tokens[shape], shape.num_topk,
                                    shape.hidden, shape.intermediate_size)
         self.shape, self.tokens = (shape, weights), None
@@ -451,7 +452,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--tiers", type=_int_list(1, IMPLEMENTED_BLOCK_M),
                         help="BLOCK_M tiers to time at every token count (default: the heuristic's and its neighbours)")
     parser.add_argument("--stages", type=_int_list(MIN_STAGES),
-                        help="pipeline stages to time, where they fit (default: the heuristic's and MAX_STAGES/2)")
+                        help="pipeline stages to time, where they fit (default: the heuristic's and half "
+                             "heuristics.stages_in_flight)")
     parser.add_argument("--iters", type=_positive_int, default=DEFAULT_ITERS,
                         help="timed replays per config, the median is kept (default: %(default)s)")
     parser.add_argument("--output-dir", type=Path,

@@ -50,7 +50,7 @@ def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math:
 
 # The grid size given to the selection: it sets only the launch's CTA count, which is no
 # template argument, so any value selects the same variants.
-_ANY_GRID_SIZE = 132
+ANY_GRID_SIZE = 132
 
 
 def deployment_variants(shape: MoEShape, ep_size: int, batch_sizes: Iterable[int], gpu: str,
@@ -65,7 +65,7 @@ def deployment_variants(shape: MoEShape, ep_size: int, batch_sizes: Iterable[int
     buffer_shape = BufferShape.of_routed(ep_size, shape.num_experts, max(counts[-1], 1), shape.num_topk, shape.hidden,
                                          shape.intermediate_size, num_shared_experts=shape.num_shared_experts)
     forced = (forced_block_m(), forced_num_stages())
-    return list(dict.fromkeys(variant_for(buffer_shape, gpu, _ANY_GRID_SIZE, n, fast_math, mode, *forced, weights)
+    return list(dict.fromkeys(variant_for(buffer_shape, gpu, ANY_GRID_SIZE, n, fast_math, mode, *forced, weights)
                               for mode in numerics for n in counts))
 
 

@@ -11,6 +11,7 @@ from megamoe_plugin.jit.cli import parser
 from megamoe_plugin.jit.command import build_command
 from megamoe_plugin.kernel_variant import KernelVariant
 from megamoe_plugin.model_config import MoEShape
+from megamoe_plugin.mxfp4 import MXFP4_GROUP
 from megamoe_plugin.variants import build_variants_for, variant_for
 from megamoe_plugin.weights import kernel_layout_shapes, transform_weights, untransform_weights
 
@@ -65,6 +66,11 @@ def test_mxfp4_variants_run_the_tiers_up_to_64():
         variant_for(shape, "NVIDIA H100 80GB HBM3", 132, 8, True, "exact", weights="mxfp4")
     with pytest.raises(ValueError, match="block_m .8, 16, 32, 64."):
         KernelVariant(4096, 2048, 6, 32, 1, 128, 4, True, "fast", weights="mxfp4")
+
+
+def test_the_kernel_and_the_format_agree_on_the_group_size():
+    """One E8M0 scale per 32 inputs: the OCP MX format's constant (mxfp4) is the kernel's (abi.h)."""
+    assert abi.kFp4GroupSize == MXFP4_GROUP and abi.kFp4ScaleBytesPerRow == abi.kBlockK // MXFP4_GROUP
 
 
 def test_a_mxfp4_stage_carries_half_the_weight_bytes():

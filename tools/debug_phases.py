@@ -18,7 +18,8 @@ import torch
 import megamoe_plugin as mm
 from megamoe_plugin.fp8 import dequantize_per_token_group
 from megamoe_plugin.buffer import SIGNAL_WORDS
-from megamoe_plugin.testing import (check_outputs, fill_buffer, random_inputs, random_layer, random_mxfp4_layer,
+from megamoe_plugin.heuristics import WEIGHT_FORMATS
+from megamoe_plugin.testing import (check_outputs, fill_buffer, random_inputs, random_layer, random_layer_of,
                                     reference_ranks, staged_inputs, with_shared_experts)
 
 
@@ -28,7 +29,7 @@ def main():
     parser.add_argument("--phases", default="2,4,5,6,0")
     parser.add_argument("--pool-rows", type=int, default=None)
     parser.add_argument("--shared-experts", type=int, default=0)
-    parser.add_argument("--weights", choices=("fp8", "mxfp4"), default="fp8")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="fp8")
     args = parser.parse_args()
     H, I, K, E, N = args.shape
     if (args.pool_rows is not None or args.shared_experts or args.weights != "fp8") and args.phases != "0":
@@ -38,7 +39,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(7)
     if args.shared_experts:
         return whole_call_with_shared_experts(H, I, K, E, N, args.shared_experts, args.pool_rows, gen)
-    layer = (random_mxfp4_layer if args.weights == "mxfp4" else random_layer)(E, H, I, "cuda", gen)
+    layer = random_layer_of(args.weights)(E, H, I, "cuda", gen)
     buf = mm.get_symm_buffer(None, E, N, K, H, I, pool_rows=args.pool_rows)
     inputs = random_inputs(N, H, E, K, "uniform", "cuda", gen)
     fill_buffer(buf, inputs)

@@ -21,7 +21,8 @@ import torch
 import megamoe_plugin as mm
 from megamoe_plugin.bench.cli import CONFIGS, LOCAL_EXPERTS
 from megamoe_plugin.buffer import BufferShape
-from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer, random_mxfp4_layer
+from megamoe_plugin.heuristics import WEIGHT_FORMATS
+from megamoe_plugin.testing import fill_buffer, random_inputs, random_layer_of
 from megamoe_plugin.timing import l2_flusher, median_call_seconds
 
 PHASES = [(2, "count+list+rank barrier"), (4, "layout+pull"), (5, "L1 GEMM+epilogue"), (6, "L2 GEMM+scatter"),
@@ -35,14 +36,13 @@ def add_call_arguments(parser: argparse.ArgumentParser, tokens: str = "1,128,819
                         help="e.g. 128 for the tools/e2e model (qwen30's H/I/top-k with 128 experts)")
     parser.add_argument("--pool-rows", default=None,
                         help="shortK (K rows fewer than the worst routing needs) or a row count: windowed pools")
-    parser.add_argument("--weights", choices=("fp8", "mxfp4"), default="fp8",
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="fp8",
                         help="the experts' weight format (mxfp4: read at 4 bits, fast numerics)")
 
 
 def layer_for(args, hidden: int, inter: int, gen: torch.Generator):
     """A random layer of --local-experts experts in the --weights format."""
-    make = random_mxfp4_layer if args.weights == "mxfp4" else random_layer
-    return make(args.local_experts, hidden, inter, "cuda", gen)
+    return random_layer_of(args.weights)(args.local_experts, hidden, inter, "cuda", gen)
 
 
 def pool_rows_for(spec, shape: BufferShape):

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..configs import REFERENCE_SHAPES, REFERENCE_TOKENS_PER_RANK
-from ..heuristics import NUMERICS_MODES, Numerics
+from ..heuristics import NUMERICS_MODES, WEIGHT_FORMATS, Numerics
 
 PROG = "megamoe-bench"
 # docs/design.md section 8's reference configs, (H, I, K); every one has 32 local experts per rank.
@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
                         "per-expert torch path: torch._scaled_mm with block scales, SwiGLU, FP8 requant), auto "
                         "(vllm if importable, else torch) or none; none with --shared-experts (docs/design.md "
                         "section 2: the fused call's floor counts them) (default: %(default)s)")
-    p.add_argument("--weights", choices=("fp8", "mxfp4"), default="fp8",
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="fp8",
                    help="the experts' weight format: fp8 (128x128 blocks) or mxfp4 (E2M1 codes with E8M0 scales per "
                         "32, read at 4 bits; fast numerics); its configs are named +w4, and the floor reads 4.25 "
                         "bits per weight (default: %(default)s)")
@@ -219,7 +219,7 @@ class _Timer:
         import torch
 
         import megamoe_plugin as mm
-        from ..testing import random_layer, random_mxfp4_layer, with_shared_experts
+        from ..testing import random_layer, random_layer_of, with_shared_experts
         from ..timing import l2_flusher
 
         self.args, self.ceilings, self.group, self.rank, self.num_ranks = args, ceilings, group, rank, num_ranks
@@ -227,8 +227,7 @@ class _Timer:
         self.name += "+w4" if args.weights == "mxfp4" else ""
         self.hidden, self.inter, self.topk = hidden, inter, topk
         self.num_experts, self.local_experts, self.gen = num_experts, local_experts, gen
-        make_layer = random_mxfp4_layer if args.weights == "mxfp4" else random_layer
-        self.layer = make_layer(local_experts, hidden, inter, "cuda", gen)
+        self.layer = random_layer_of(args.weights)(local_experts, hidden, inter, "cuda", gen)
         self.buf = mm.get_symm_buffer(group, num_experts, max_tokens, topk, hidden, inter,
                                       num_shared_experts=args.shared_experts)
         if args.shared_experts:  # replicated: every rank draws the same ones

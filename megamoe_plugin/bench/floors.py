@@ -9,6 +9,7 @@ from typing import List, Tuple
 
 import torch
 
+from ..mxfp4 import MXFP4_GROUP
 from ..timing import timed_seconds
 
 
@@ -56,7 +57,7 @@ def measure_peer_bandwidth(buf) -> float:
 
 # Bytes an expert weight takes in HBM: FP8 (its 128x128 block scale is negligible), MXFP4 (4 bits
 # and one E8M0 byte per 32).
-WEIGHT_BYTES_PER_ELEMENT = {"fp8": 1.0, "mxfp4": 0.5 + 1 / 32}
+WEIGHT_BYTES_PER_ELEMENT = {"fp8": 1.0, "mxfp4": 0.5 + 1 / MXFP4_GROUP}
 
 
 def rank_floor(all_idx: List[torch.Tensor], rank: int, num_ranks: int, hidden: int, inter: int, ceilings: Ceilings,
