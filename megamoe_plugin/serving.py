@@ -183,8 +183,11 @@ def warmup_token_counts(max_tokens: int, capture_sizes: Optional[Sequence[int]])
 
 def register_layer_weights(key: Tuple, layer, l1, l2) -> None:
     """Record a layer's kernel-layout weights (at load) for the warm-up of the buffer with
-    this buffer_key; registering the layer again replaces its weights."""
+    this buffer_key; registering the layer again replaces its weights and key (a layer whose
+    weights were rebuilt, e.g. with its shared experts, keeps no reference to the old ones)."""
     with _lock:
+        for layers in _layer_weights.values():
+            layers.pop(layer, None)
         _layer_weights.setdefault(key, weakref.WeakKeyDictionary())[layer] = (tuple(l1), tuple(l2))
 
 

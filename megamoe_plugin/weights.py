@@ -47,7 +47,7 @@ The transform runs with views and one copy per tensor on the input's device.
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -218,6 +218,25 @@ def validate_checkpoint_weights(w13: torch.Tensor, w13_scale: torch.Tensor, w2: 
     return _validate(w13, w13_scale, w2, w2_scale, transformed=False, where=where)
 
 
+def _validate_shared(shared: Mapping[str, torch.Tensor], hidden: int, intermediate: int,
+                     routed_w13: torch.Tensor) -> int:
+    """The number of experts in `shared` (checkpoint layout), checked against the routed experts'
+    H, I, weight format and device."""
+    missing = [key for key in ("w13", "w13_scale", "w2", "w2_scale") if not isinstance(shared, Mapping)
+               or key not in shared]
+    if missing:
+        raise ValueError(f"shared must be a dict with keys w13, w13_scale, w2, w2_scale; missing {missing}")
+    num_shared, shared_hidden, shared_intermediate = validate_checkpoint_weights(
+        shared["w13"], shared["w13_scale"], shared["w2"], shared["w2_scale"], where="shared")
+    if (shared_hidden, shared_intermediate) != (hidden, intermediate):
+        raise ValueError(f"shared experts have H={shared_hidden}, I={shared_intermediate}; the kernel runs them as "
+                         f"local experts, so they need the routed experts' H={hidden}, I={intermediate}")
+    if weight_format(shared["w13"]) != weight_format(routed_w13) or shared["w13"].device != routed_w13.device:
+        raise ValueError(f"shared experts must be {weight_format(routed_w13).upper()} weights on {routed_w13.device}, "
+                         "as the routed ones")
+    return num_shared
+
+
 def transform_weights(l1: WeightPair, l2: WeightPair,
                       shared: Optional[Mapping[str, torch.Tensor]] = None) -> Tuple[WeightPair, WeightPair]:
     """Checkpoint layout -> SM90 kernel layout (see the module docstring).
@@ -234,18 +253,7 @@ def transform_weights(l1: WeightPair, l2: WeightPair,
     num_local_experts, hidden, intermediate = _validate(w13, w13_scale, w2, w2_scale, transformed=False)
     packed = weight_format(w13) == "mxfp4"
     if shared is not None:
-        missing = [key for key in ("w13", "w13_scale", "w2", "w2_scale") if not isinstance(shared, Mapping)
-                   or key not in shared]
-        if missing:
-            raise ValueError(f"shared must be a dict with keys w13, w13_scale, w2, w2_scale; missing {missing}")
-        num_shared, shared_hidden, shared_intermediate = validate_checkpoint_weights(
-            shared["w13"], shared["w13_scale"], shared["w2"], shared["w2_scale"], where="shared")
-        if (shared_hidden, shared_intermediate) != (hidden, intermediate):
-            raise ValueError(f"shared experts have H={shared_hidden}, I={shared_intermediate}; the kernel runs them as "
-                             f"local experts, so they need the routed experts' H={hidden}, I={intermediate}")
-        if weight_format(shared["w13"]) != weight_format(w13) or shared["w13"].device != w13.device:
-            raise ValueError(f"shared experts must be {weight_format(w13).upper()} weights on {w13.device}, "
-                             "as the routed ones")
+        num_shared = _validate_shared(shared, hidden, intermediate, w13)
         w13, w13_scale, w2, w2_scale = (torch.cat([routed, shared[key]]) for routed, key in (
             (w13, "w13"), (w13_scale, "w13_scale"), (w2, "w2"), (w2_scale, "w2_scale")))
         num_local_experts += num_shared
@@ -265,6 +273,52 @@ def transform_weights(l1: WeightPair, l2: WeightPair,
     w13_scale_t = (w13_scale.reshape(num_local_experts, 2, intermediate // BLOCK, hidden // BLOCK)
                    .transpose(1, 2).contiguous())
     return (w13_t, w13_scale_t), (w2.contiguous(), w2_scale.contiguous())
+
+
+def append_experts(l1: WeightPair, l2: WeightPair,
+                   shared: Mapping[str, torch.Tensor]) -> Tuple[WeightPair, WeightPair]:
+    """Kernel-layout weights (transform_weights' output) with `shared` (its checkpoint-layout
+    argument of that name) appended: exactly transform_weights(checkpoint, shared=shared), for a
+    framework that builds the routed experts' kernel layout before it reaches the shared experts.
+    The layout is per expert, so the result is the concatenation; new tensors, inputs untouched."""
+    w13_t, w13_scale_t = unpack_pair(l1, "l1")
+    w2_t, w2_scale_t = unpack_pair(l2, "l2")
+    _, hidden, intermediate = _validate(w13_t, w13_scale_t, w2_t, w2_scale_t, transformed=True)
+    _validate_shared(shared, hidden, intermediate, w13_t)
+    (s13, s13_scale), (s2, s2_scale) = transform_weights((shared["w13"], shared["w13_scale"]),
+                                                         (shared["w2"], shared["w2_scale"]))
+    return ((torch.cat([w13_t, s13]), torch.cat([w13_scale_t, s13_scale])),
+            (torch.cat([w2_t, s2]), torch.cat([w2_scale_t, s2_scale])))
+
+
+def block_fp8_matrix_problem(weight: Optional[torch.Tensor], scale: Optional[torch.Tensor], rows: int,
+                             cols: int) -> Optional[str]:
+    """Why (weight, scale) is not one [rows, cols] matrix of 128x128-block FP8 in the checkpoint
+    layout (a framework's linear layer, e.g. a shared expert's), or None."""
+    if (weight is None or scale is None or weight.dtype != FP8_DTYPE or tuple(weight.shape) != (rows, cols)
+            or scale.dtype != torch.float32 or tuple(scale.shape) != (rows // BLOCK, cols // BLOCK)
+            or not weight.is_contiguous() or not scale.is_contiguous()):
+        return (f"its weights are not contiguous [{rows}, {cols}] float8_e4m3fn with [{rows // BLOCK}, "
+                f"{cols // BLOCK}] float32 block scales")
+    return None
+
+
+def split_mlp(gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
+              intermediate: int) -> Dict[str, torch.Tensor]:
+    """One SwiGLU MLP of intermediate S*I (gate_up [2SI, H]: S*I gate rows then S*I up rows; down
+    [H, S*I]; 128x128 block scales) as S experts of intermediate I in the checkpoint layout of
+    transform_weights' `shared`. Expert s takes intermediate channels [s*I, (s+1)*I): exact, since
+    SwiGLU is per channel, so the MLP is the sum of its channel slices' outputs."""
+    two_si, hidden = gate_up.shape
+    num = two_si // (2 * intermediate)
+    gate, up = gate_up.view(2, num, intermediate, hidden).unbind(0)
+    gate_s, up_s = gate_up_scale.view(2, num, intermediate // BLOCK, hidden // BLOCK).unbind(0)
+    return dict(
+        w13=torch.cat([gate, up], dim=1).contiguous(),
+        w13_scale=torch.cat([gate_s, up_s], dim=1).contiguous(),
+        w2=down.view(hidden, num, intermediate).transpose(0, 1).contiguous(),
+        w2_scale=down_scale.view(hidden // BLOCK, num, intermediate // BLOCK).transpose(0, 1).contiguous(),
+    )
 
 
 def untransform_weights(l1: WeightPair, l2: WeightPair) -> Tuple[WeightPair, WeightPair]:

@@ -3,9 +3,12 @@
 error."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import megamoe_plugin.fp8 as fp8
-from megamoe_plugin.weights import transform_weights, untransform_weights, validate_checkpoint_weights
+from contract_oracle import dequant_blocks, quant_blocks
+from megamoe_plugin.weights import (append_experts, block_fp8_matrix_problem, split_mlp, transform_weights,
+                                    untransform_weights, validate_checkpoint_weights)
 
 E_LOCAL, HIDDEN, INTER = 3, 384, 256
 
@@ -149,3 +152,62 @@ def test_untransform_requires_the_kernel_scale_layout():
     w13, w13_scale, w2, w2_scale = _checkpoint()
     with pytest.raises(ValueError, match=r"w13_scale must have shape \[E_local, I/128, 2, H/128\]"):
         untransform_weights((w13, w13_scale), (w2, w2_scale))
+
+
+def test_split_mlp_is_the_same_function():
+    """One SwiGLU MLP of S*I equals the sum of its S channel-slice experts (in float32, exactly up to
+    summation order)."""
+    g = torch.Generator().manual_seed(3)
+    num, inter, hidden = 3, 128, 256
+    gate_up, gate_up_s = quant_blocks(torch.randn(2 * num * inter, hidden, generator=g))
+    down, down_s = quant_blocks(torch.randn(hidden, num * inter, generator=g))
+    experts = split_mlp(gate_up, gate_up_s, down, down_s, inter)
+    assert experts["w13"].shape == (num, 2 * inter, hidden) and experts["w13_scale"].shape == (num, 2, 2)
+    assert experts["w2"].shape == (num, hidden, inter) and experts["w2_scale"].shape == (num, 2, 1)
+    x = torch.randn(5, hidden, generator=g)
+    gu = x @ dequant_blocks(gate_up, gate_up_s).T
+    whole = (F.silu(gu[:, :num * inter]) * gu[:, num * inter:]) @ dequant_blocks(down, down_s).T
+    parts = 0
+    for s in range(num):
+        e_gu = x @ dequant_blocks(experts["w13"][s], experts["w13_scale"][s]).T
+        parts = parts + (F.silu(e_gu[:, :inter]) * e_gu[:, inter:]) @ dequant_blocks(experts["w2"][s],
+                                                                                      experts["w2_scale"][s]).T
+    torch.testing.assert_close(parts, whole, rtol=1e-4, atol=1e-3)
+
+
+def test_append_experts_is_the_transform_with_shared_experts():
+    """Appending S experts to weights already in the kernel layout gives, bit for bit, what the
+    transform of the checkpoint with them as `shared` gives; the inputs are left as they were."""
+    w13, w13_scale, w2, w2_scale = _checkpoint(seed=7)
+    s13, s13_scale, s2, s2_scale = _checkpoint(seed=8, num_local_experts=2)
+    shared = dict(w13=s13, w13_scale=s13_scale, w2=s2, w2_scale=s2_scale)
+    routed = transform_weights((w13, w13_scale), (w2, w2_scale))
+    kept = [t.clone() for pair in routed for t in pair]
+    got = append_experts(*routed, shared)
+    want = transform_weights((w13, w13_scale), (w2, w2_scale), shared=shared)
+    for g, w in zip((t for pair in got for t in pair), (t for pair in want for t in pair)):
+        assert g.shape == w.shape and torch.equal(_bits(g) if g.dtype == fp8.FP8_DTYPE else g,
+                                                  _bits(w) if w.dtype == fp8.FP8_DTYPE else w)
+    for t, k in zip((t for pair in routed for t in pair), kept):
+        assert torch.equal(_bits(t) if t.dtype == fp8.FP8_DTYPE else t, _bits(k) if k.dtype == fp8.FP8_DTYPE else k)
+    with pytest.raises(ValueError, match=r"shared experts have H=256, I=256; .* H=384, I=256"):
+        append_experts(*routed, dict(zip(("w13", "w13_scale", "w2", "w2_scale"), _checkpoint(hidden=256))))
+    with pytest.raises(ValueError, match=r"missing \['w2_scale'\]"):
+        append_experts(*routed, dict(w13=s13, w13_scale=s13_scale, w2=s2))
+    with pytest.raises(ValueError, match=r"w13_scale must have shape"):  # checkpoint layout, not the kernel's
+        append_experts((w13, w13_scale), (w2, w2_scale), shared)
+
+
+@pytest.mark.parametrize("change, problem", [
+    (None, None),
+    (lambda w, s: (w.float(), s), "not contiguous [256, 384] float8_e4m3fn"),
+    (lambda w, s: (w, s[:1]), "[2, 3] float32 block scales"),
+    (lambda w, s: (w.t().contiguous().t(), s), "not contiguous"),
+    (lambda w, s: (None, s), "not contiguous"),
+])
+def test_block_fp8_matrix_problem(change, problem):
+    w, s = quant_blocks(torch.randn(256, 384))
+    if change is not None:
+        w, s = change(w, s)
+    found = block_fp8_matrix_problem(w, s, 256, 384)
+    assert found is None if problem is None else problem in found

@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 
 from .. import serving
-from . import refusals
-from .resolution import selected_by
+from . import refusals, shared_experts
+from .resolution import selected_by, token_cap
 
 logger = logging.getLogger("megamoe_plugin.sglang")
 
@@ -74,8 +74,24 @@ def build_weights(original, experts) -> None:
     experts._mega_moe_sm90_fp8_weights = True
     experts._mega_moe_weights_built = True
     setattr(experts, MARK, True)
-    serving.register_layer_weights(_warmup_key(experts), experts, experts.mega_l1_weights, experts.mega_l2_weights)
+    _register(experts)
     return None
+
+
+def _register(experts) -> None:
+    serving.register_layer_weights(_warmup_key(experts), experts, experts.mega_l1_weights, experts.mega_l2_weights)
+
+
+def load_model(original, runner):
+    """After the model load (every weight built): the MoE blocks' shared experts into their calls
+    where the kernel can take them (shared_experts.fold_model)."""
+    result = original(runner)
+    if selected():
+        blocks = [module for module in runner.model.modules()
+                  if getattr(getattr(module, "experts", None), MARK, False)
+                  and getattr(module, "shared_experts", None) is not None]
+        shared_experts.fold_model(blocks, token_cap(), _register)
+    return result
 
 
 def _warmup_key(experts) -> tuple:
@@ -122,9 +138,11 @@ def get_buffer_0_5_17(original, group, num_experts, num_max_tokens_per_rank, num
 
 
 def _buffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden):
+    """With the shared experts that the loaded model's calls of this routed shape run."""
     ep = group if serving.get_executor() == "kernel" else None
     return serving.get_buffer(_ep_group(ep), _device(), num_experts, num_max_tokens_per_rank, num_topk, hidden,
-                              intermediate_hidden)
+                              intermediate_hidden,
+                              shared_experts.shared_experts_in_call(num_experts, hidden, intermediate_hidden))
 
 
 def rank_equal_num_tokens(num_tokens: int) -> int:
@@ -151,6 +169,11 @@ def _run_routed(experts, hidden_states, topk_ids, topk_weights, buf, num_tokens,
     if routed_scaling_factor != 1.0:
         topk_weights = topk_weights * routed_scaling_factor
     l1, l2 = experts.mega_l1_weights, experts.mega_l2_weights
+    if buf.shape.num_shared_experts != shared_experts.num_in_call(experts):
+        raise refusals.MegaMoEUnsupportedError(
+            f"a MoE layer whose call runs {shared_experts.num_in_call(experts)} shared experts was handed a buffer "
+            f"for {buf.shape.num_shared_experts}: its weights were built outside the model load the plugin wraps "
+            "(ModelRunner.load_model)", "load the model through SGLang's ModelRunner")
     clamp = None if activation_clamp is None else float(activation_clamp)
     y = torch.empty((num_tokens, hidden_size), dtype=torch.bfloat16, device=hidden_states.device)
     if serving.get_executor() == "reference":
@@ -191,8 +214,9 @@ _shared_after_kernel = serving.SharedExpertsAfterKernel()
 
 
 def forward_mega_moe(original, moe, hidden_states, forward_batch=None, input_ids_global=None):
-    """SGLang's mega-MoE forward of a MoE block with the routed call launched first and the block's
-    shared experts after it on a side stream (serving.SharedExpertsAfterKernel). SGLang's own order
+    """SGLang's mega-MoE forward of a MoE block: the routed call alone where it runs the block's
+    shared experts (shared_experts.fold_model), else the routed call launched first and the shared
+    experts after it on a side stream (serving.SharedExpertsAfterKernel). SGLang's own order
     computes the shared experts first, and while capturing CUDA graphs puts the routed call on
     another stream: the shared experts' GEMMs then hold SMs the persistent kernel waits for. A block
     whose shared experts SGLang hands to the call (its SM100 path) keeps SGLang's forward."""
@@ -201,6 +225,8 @@ def forward_mega_moe(original, moe, hidden_states, forward_batch=None, input_ids
     from sglang.srt.layers.moe import mega_moe
 
     num_tokens = hidden_states.shape[0]
+    if shared_experts.num_in_call(moe.experts):
+        return mega_moe._run_mega_routed(moe, hidden_states, forward_batch, input_ids_global, num_tokens)
     y, shared_output = _shared_after_kernel.run(
         lambda: mega_moe._run_mega_routed(moe, hidden_states, forward_batch, input_ids_global, num_tokens),
         lambda: moe._forward_shared_experts(hidden_states), hidden_states.is_cuda)
@@ -209,7 +235,9 @@ def forward_mega_moe(original, moe, hidden_states, forward_batch=None, input_ids
     return y
 
 
+_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner."
 HOOKS = {
+    _RUNNER + "load_model": load_model,
     _SM90 + "build_sm90_mega_moe_experts_weights": build_weights,
     _SM90 + "is_sm90_fp8_mega_moe_available": is_available,
     _MEGA + "_get_mega_moe_symm_buffer": get_buffer,
@@ -217,6 +245,7 @@ HOOKS = {
     _MEGA + "forward_mega_moe": forward_mega_moe,
 }
 HOOKS_0_5_17 = {
+    _RUNNER + "load_model": load_model,
     _SM90 + "build_sm90_mega_moe_experts_weights": build_weights,
     _SM90 + "is_sm90_fp8_mega_moe_available": is_available,
     _MEGA + "_get_mega_moe_symm_buffer": get_buffer_0_5_17,

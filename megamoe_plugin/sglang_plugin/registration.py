@@ -21,12 +21,14 @@ logger = logging.getLogger("megamoe_plugin.sglang")
 
 _MOE = "sglang.srt.layers.moe."
 _ARGS = "sglang.srt.arg_groups."
+_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner."
 # Every SGLang function the plugin wraps or calls, with the parameters it was written for
 # (names, kinds and defaults; annotations are ignored), per line of sglang releases.
 #
 # 0.5.23 (and a later 0.5.x while these hold): the mega-MoE path takes the resolved layer
 # arguments, and argument resolution has named hooks (arg_groups.resolution_hooks).
 SIGNATURES_0_5_23: Dict[str, str] = {
+    _RUNNER + "load_model": "(self)",
     _MOE + "mega_moe.forward_mega_moe": "(moe, hidden_states, forward_batch=None, input_ids_global=None)",
     _MOE + "mega_moe._run_mega_routed": "(moe, hidden_states, forward_batch, input_ids_global, num_tokens)",
     _MOE + "mega_moe_sm90.build_sm90_mega_moe_experts_weights": "(experts)",
@@ -47,6 +49,7 @@ SIGNATURES_0_5_23: Dict[str, str] = {
 # "Which sglang releases"): the routed forward takes DeepSeek-V2's MoE block, the buffer has
 # no MMA type, and resolution has no hooks: the plugin wraps ServerArgs.__post_init__.
 SIGNATURES_0_5_17: Dict[str, str] = {
+    _RUNNER + "load_model": "(self)",
     _MOE + "mega_moe.forward_mega_moe": "(moe, hidden_states, forward_batch=None, input_ids_global=None)",
     _MOE + "mega_moe._run_mega_routed": "(moe, hidden_states, forward_batch, input_ids_global, num_tokens)",
     _MOE + "mega_moe_sm90.build_sm90_mega_moe_experts_weights": "(experts)",

@@ -70,10 +70,10 @@ def post_init_0_5_17(original, server_args) -> None:
     setattr(server_args, MARKER, True)
     original(server_args)
     refusals.check_resolved_0_5_17(server_args, server_args.get_model_config().hf_config.architectures[0],
-                                   MEGA_MOE_ARCHS_0_5_17, _token_cap())
+                                   MEGA_MOE_ARCHS_0_5_17, token_cap())
 
 
-def _token_cap() -> int:
+def token_cap() -> int:
     from sglang.srt.environ import envs
 
     return int(envs.SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK.get())

@@ -33,9 +33,9 @@ from typing import Dict, Optional
 import torch
 
 from ..buffer import BufferShape
+from ..weights import block_fp8_matrix_problem, split_mlp
 from .refusals import info_once, warn_once
 
-BLOCK = 128
 
 # vLLM's block-FP8 linear kernels that keep the checkpoint layout: weight [N, K] float8_e4m3fn,
 # weight_scale_inv [N/128, K/128] float32 (DeepGEMM may requantize both to power-of-two scales,
@@ -59,23 +59,6 @@ class KernelSharedExperts:
     routing_weight: float  # stage_inputs' shared_scale
 
 
-def split_mlp(gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
-              intermediate: int) -> Dict[str, torch.Tensor]:
-    """One SwiGLU MLP of intermediate S*I (gate_up [2SI, H]: S*I gate rows then S*I up rows; down
-    [H, S*I]; 128x128 block scales) as S experts of intermediate I in the checkpoint layout of
-    transform_weights' `shared`. Expert s takes intermediate channels [s*I, (s+1)*I)."""
-    two_si, hidden = gate_up.shape
-    num = two_si // (2 * intermediate)
-    gate, up = gate_up.view(2, num, intermediate, hidden).unbind(0)
-    gate_s, up_s = gate_up_scale.view(2, num, intermediate // BLOCK, hidden // BLOCK).unbind(0)
-    return dict(
-        w13=torch.cat([gate, up], dim=1).contiguous(),
-        w13_scale=torch.cat([gate_s, up_s], dim=1).contiguous(),
-        w2=down.view(hidden, num, intermediate).transpose(0, 1).contiguous(),
-        w2_scale=down_scale.view(hidden // BLOCK, num, intermediate // BLOCK).transpose(0, 1).contiguous(),
-    )
-
-
 def _block_fp8_linear(linear, rows: int, cols: int) -> Optional[str]:
     """Why `linear` does not hold a [rows, cols] block-FP8 weight in the checkpoint layout, or None."""
     if linear is None or getattr(linear, "bias", None) is not None:
@@ -86,12 +69,8 @@ def _block_fp8_linear(linear, rows: int, cols: int) -> Optional[str]:
     if kernel not in CHECKPOINT_LAYOUT_LINEAR_KERNELS:
         return (f"its weights are not 128x128-block FP8 in the checkpoint layout (linear kernel {kernel}; the kernel "
                 f"takes them from {', '.join(sorted(CHECKPOINT_LAYOUT_LINEAR_KERNELS))})")
-    weight, scale = getattr(linear, "weight", None), getattr(linear, "weight_scale_inv", None)
-    if (weight is None or scale is None or weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (rows, cols)
-            or scale.dtype != torch.float32 or tuple(scale.shape) != (rows // BLOCK, cols // BLOCK)):
-        return (f"its weights are not [{rows}, {cols}] float8_e4m3fn with [{rows // BLOCK}, {cols // BLOCK}] float32 "
-                f"block scales")
-    return None
+    return block_fp8_matrix_problem(getattr(linear, "weight", None), getattr(linear, "weight_scale_inv", None),
+                                    rows, cols)
 
 
 def _why_not(runner, mlp, moe_config, activation_clamp: Optional[float], hidden: int,

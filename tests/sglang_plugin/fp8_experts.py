@@ -38,10 +38,11 @@ class Experts(torch.nn.Module):
 
 
 def expected(x, ids, weights, w13, s13, w2, s2):
+    """Each token through its slots' experts (ids [n, slots] into the weights' experts)."""
     xq = quant_dequant_rows(x)
     out = torch.zeros(x.shape[0], HIDDEN)
     for t in range(x.shape[0]):
-        for j in range(TOPK):
+        for j in range(ids.shape[1]):
             e = int(ids[t, j])
             h = xq[t:t + 1] @ dequant_blocks(w13[e], s13[e]).T
             act = F.silu(h[:, :INTERMEDIATE]) * h[:, INTERMEDIATE:]
@@ -65,6 +66,7 @@ def sm90_reference(monkeypatch):
     import sglang.srt.layers.moe.mega_moe_sm90 as sm90
 
     from megamoe_plugin import serving
+    from megamoe_plugin.sglang_plugin import shared_experts
 
     monkeypatch.setattr(mega_moe, "_device_sm", 90)
     monkeypatch.setattr(sm90, "_device_sm", 90)
@@ -75,3 +77,67 @@ def sm90_reference(monkeypatch):
     finally:
         serving.set_executor(previous)
         serving.clear_buffers()
+        shared_experts.forget_models()
+
+
+class BlockFP8Linear(torch.nn.Module):
+    """The attributes the plugin reads off SGLang's block-FP8 linear layer (its Fp8LinearMethod keeps
+    the checkpoint layout on SM90): weight [rows, cols] FP8, weight_scale_inv [rows/128, cols/128]."""
+
+    def __init__(self, rows, cols, generator, tp_size=1):
+        super().__init__()
+        q, s = quant_blocks(torch.randn(rows, cols, generator=generator) * 0.06)
+        self.weight = torch.nn.Parameter(q, requires_grad=False)
+        self.weight_scale_inv = torch.nn.Parameter(s, requires_grad=False)
+        self.tp_size, self.bias = tp_size, None
+
+
+class SharedMLP(torch.nn.Module):
+    """DeepseekV2MLP's attributes: the block's shared experts as one MLP of intermediate n_shared * I."""
+
+    def __init__(self, num_shared, seed=0, tp_size=1, swiglu_limit=None):
+        super().__init__()
+        from sglang.srt.layers.activation import SiluAndMul
+
+        g = torch.Generator().manual_seed(seed)
+        self.gate_up_proj = BlockFP8Linear(2 * num_shared * INTERMEDIATE, HIDDEN, g, tp_size)
+        self.down_proj = BlockFP8Linear(HIDDEN, num_shared * INTERMEDIATE, g, tp_size)
+        # SGLang's class (its forward never runs here); its __init__ reads the published server context
+        self.act_fn, self.swiglu_limit = SiluAndMul.__new__(SiluAndMul), swiglu_limit
+        torch.nn.Module.__init__(self.act_fn)
+
+    def checkpoint(self):
+        return [p.data.clone() for p in (self.gate_up_proj.weight, self.gate_up_proj.weight_scale_inv,
+                                         self.down_proj.weight, self.down_proj.weight_scale_inv)]
+
+
+def shared_expected(x, gate_up, gate_up_scale, down, down_scale):
+    """The shared MLP as the contract computes a shared expert: quantized rows in, the SwiGLU output
+    requantized in groups of 128 channels (the same groups whole or split into experts of I)."""
+    h = quant_dequant_rows(x) @ dequant_blocks(gate_up, gate_up_scale).T
+    half = h.shape[1] // 2
+    act = quant_dequant_rows((F.silu(h[:, :half]) * h[:, half:]).bfloat16().float())
+    return act @ dequant_blocks(down, down_scale).T
+
+
+class Block(torch.nn.Module):
+    """The DeepSeek-V2 MoE block attributes SGLang's mega-MoE forward and the plugin read; its router
+    gives fixed top-k ids and weights, and it counts its own shared-expert forwards."""
+
+    def __init__(self, experts, shared, ids, weights, routed_scaling_factor=2.5):
+        super().__init__()
+        self.experts, self.shared_experts = experts, shared
+        self.layer_id, self.is_hash, self.num_fused_shared_experts = 0, False, 0
+        self.mega_shared_l1_weights = self.mega_shared_l2_weights = None
+        self.routed_scaling_factor, self.routed_scaling_factor_fused_in_topk = routed_scaling_factor, False
+        self.config = type("Cfg", (), dict(hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE,
+                                          num_experts_per_tok=TOPK, swiglu_limit=None))()
+        self.gate = lambda hidden_states, forward_batch=None: None
+        self.topk = lambda hidden_states, logits, **kwargs: type("TopK", (), dict(
+            topk_ids=ids[:hidden_states.shape[0]], topk_weights=weights[:hidden_states.shape[0]]))()
+        self.shared_forwards = 0
+        self.shared_checkpoint = shared.checkpoint()
+
+    def _forward_shared_experts(self, hidden_states):
+        self.shared_forwards += 1
+        return shared_expected(hidden_states.float(), *self.shared_checkpoint).bfloat16()

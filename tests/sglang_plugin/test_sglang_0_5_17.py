@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import DEEPSEEK_FIXTURE_MODEL, FIXTURE_MODEL, HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOPK, only_0_5_17
-from fp8_experts import CAP, Experts, expected, fp8_config, sm90_reference
+from fp8_experts import CAP, Block, Experts, SharedMLP, expected, fp8_config, shared_expected, sm90_reference
 
 pytestmark = only_0_5_17
 
@@ -47,7 +47,7 @@ def test_plugin_loads_through_the_entry_point_in_a_fresh_process():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["registered"] is True and got["problem"] is None
     assert got["choices"] == 1
-    assert len(got["targets"]) == 7 and set(got["targets"]) <= set(got["patched"])
+    assert len(got["targets"]) == 8 and set(got["targets"]) <= set(got["patched"])
     assert all(got["wrapped"].values()), got["wrapped"]
 
 
@@ -223,3 +223,28 @@ def test_one_gpu_is_refused_on_0_5_17(registered):
     source = inspect.getsource(MLPSyncBatchInfo.all_gather)
     assert refusals._ALIASING_GATHER.search(source)
     assert not refusals._ALIASING_GATHER.search(source.replace(").contiguous()", ").clone()"))
+
+
+def test_the_blocks_shared_experts_run_inside_the_call(selected_on_sm90):
+    """0.5.17's load and forward: after ModelRunner.load_model the block's forward runs one call
+    with its shared expert in it (the buffer asked for it), not the MLP."""
+    import sglang.srt.layers.moe.mega_moe as mega_moe
+    import sglang.srt.layers.moe.mega_moe_sm90 as sm90
+
+    from megamoe_plugin.sglang_plugin import layer
+
+    experts = Experts(fp8_config())
+    experts.should_fuse_routed_scaling_factor_in_topk = False
+    ckpt = [p.data.clone() for p in (experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight,
+                                     experts.w2_weight_scale_inv)]
+    sm90.build_sm90_mega_moe_experts_weights(experts)
+    x, ids, weights = _routing(6)
+    block = Block(experts, SharedMLP(1, seed=4), ids, weights)
+    runner = type("ModelRunner", (), {"model": torch.nn.ModuleList([block])})()
+    layer.load_model(lambda r: None, runner)
+    assert experts.w13_weight.shape[0] == NUM_EXPERTS + 1
+    y = mega_moe.forward_mega_moe(block, x)
+    want = expected(x.float(), ids, 2.5 * weights, *ckpt) + shared_expected(x.float(), *block.shared_checkpoint)
+    rel = ((y.float() - want).norm() / want.norm()).item()
+    assert rel < 2e-2, rel
+    assert block.shared_forwards == 0

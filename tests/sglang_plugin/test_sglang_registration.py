@@ -17,7 +17,8 @@ BACKEND = "megamoe_sm90"
 HOOKED = ("sglang.srt.layers.moe.mega_moe_sm90.build_sm90_mega_moe_experts_weights",
           "sglang.srt.layers.moe.mega_moe_sm90.is_sm90_fp8_mega_moe_available",
           "sglang.srt.layers.moe.mega_moe._get_mega_moe_symm_buffer",
-          "sglang.srt.layers.moe.mega_moe_sm90.run_sm90_mega_routed")
+          "sglang.srt.layers.moe.mega_moe_sm90.run_sm90_mega_routed",
+          "sglang.srt.model_executor.model_runner.ModelRunner.load_model")
 
 
 def test_plugin_loads_through_the_entry_point_in_a_fresh_process():

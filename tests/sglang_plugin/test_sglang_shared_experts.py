@@ -12,6 +12,7 @@ class Block:
 
     def __init__(self, log, shared_output, mega_shared_l1_weights=None):
         self.log, self.shared_output = log, shared_output
+        self.experts = type("Experts", (), {})()  # whose call runs no shared experts
         self.mega_shared_l1_weights = mega_shared_l1_weights
 
     def _forward_shared_experts(self, hidden_states):

@@ -210,26 +210,3 @@ def test_shared_experts_beside_mxfp4_routed_experts_stay_with_vllm(vllm_config, 
                                             routed_format="mxfp4")
     assert taken is None and runner.shared_experts is not None
     assert any("routed experts are MXFP4" in line for line in warnings_logged)
-
-
-def test_split_mlp_is_the_same_function():
-    """One SwiGLU MLP of S*I equals the sum of its S channel-slice experts (in float32, exactly up to
-    summation order)."""
-    from megamoe_plugin.vllm_plugin.shared_experts import split_mlp
-
-    g = torch.Generator().manual_seed(3)
-    num, inter, hidden = 3, 128, 256
-    gate_up, gate_up_s = quant_blocks(torch.randn(2 * num * inter, hidden, generator=g))
-    down, down_s = quant_blocks(torch.randn(hidden, num * inter, generator=g))
-    experts = split_mlp(gate_up, gate_up_s, down, down_s, inter)
-    assert experts["w13"].shape == (num, 2 * inter, hidden) and experts["w13_scale"].shape == (num, 2, 2)
-    assert experts["w2"].shape == (num, hidden, inter) and experts["w2_scale"].shape == (num, 2, 1)
-    x = torch.randn(5, hidden, generator=g)
-    gu = x @ dequant_blocks(gate_up, gate_up_s).T
-    whole = (F.silu(gu[:, :num * inter]) * gu[:, num * inter:]) @ dequant_blocks(down, down_s).T
-    parts = 0
-    for s in range(num):
-        e_gu = x @ dequant_blocks(experts["w13"][s], experts["w13_scale"][s]).T
-        parts = parts + (F.silu(e_gu[:, :inter]) * e_gu[:, inter:]) @ dequant_blocks(experts["w2"][s],
-                                                                                      experts["w2_scale"][s]).T
-    torch.testing.assert_close(parts, whole, rtol=1e-4, atol=1e-3)

@@ -1,0 +1,171 @@
+"""A MoE block's shared experts run inside the kernel's call on SGLang, instead of beside it.
+
+SGLang's DeepSeek-family MoE block (DeepseekV2MoE: DeepSeek-V2/V3, Kimi-K2 and the others on its
+mega-MoE path) holds its shared experts as one dense MLP of intermediate n_shared * I
+(`shared_experts`: gate_up_proj, SiLU-and-mul, down_proj; replicated on every rank when the
+mega-MoE path is on), and adds its output to the routed experts' (already scaled by
+routed_scaling_factor). The kernel takes S shared experts of the routed I as S more local
+experts of every rank (docs/design.md section 2), so at the end of the model load (the plugin
+wraps `ModelRunner.load_model`; the weight build before it sees only the experts module) each
+block's MLP is split into S experts (weights.split_mlp), appended to the block's kernel-layout
+experts (weights.append_experts) with routing weight 1, and its own weight storage is released.
+The block's forward (layer.forward_mega_moe) then runs only the routed call, and the buffer is
+asked for S shared experts (`shared_experts_in_call`).
+
+The choice is per model and all or nothing: the layers of a routed shape share one buffer, which
+either has S shared slots or none. A model with a block the kernel cannot take (a clamped SwiGLU,
+a gated or tensor-parallel shared MLP, weights not 128x128-block FP8 in the checkpoint layout, an
+intermediate size no multiple of the routed one, fused shared experts in the top-k) keeps every
+block's shared experts beside the kernel (serving.SharedExpertsAfterKernel), with one log line
+naming why.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..buffer import BufferShape
+from ..weights import append_experts, block_fp8_matrix_problem, split_mlp
+from .refusals import MegaMoEUnsupportedError
+
+logger = logging.getLogger("megamoe_plugin.sglang")
+
+IN_CALL = "_megamoe_shared_experts_in_call"  # on an experts module: S, the shared experts its call runs
+
+# (num_experts, hidden, intermediate) of a routed shape -> S of the models loaded in this process
+_in_call: Dict[Tuple[int, int, int], int] = {}
+_lock = threading.Lock()
+
+
+def shape_key(num_experts: int, hidden: int, intermediate: int) -> Tuple[int, int, int]:
+    return int(num_experts), int(hidden), int(intermediate)
+
+
+def shared_experts_in_call(num_experts: int, hidden: int, intermediate: int) -> int:
+    """S for the buffer of this routed shape: the shared experts its layers' calls run (0: none)."""
+    with _lock:
+        return _in_call.get(shape_key(num_experts, hidden, intermediate), 0)
+
+
+def num_in_call(experts) -> int:
+    """The shared experts this experts module's call runs (0: they run beside it, or there are none)."""
+    return int(getattr(experts, IN_CALL, 0))
+
+
+def _routed_shape(experts) -> Tuple[int, int, int]:
+    w2 = experts.mega_l2_weights[0]  # [E_l (+ S), H, I]
+    return shape_key(experts.num_experts, w2.shape[1], w2.shape[2])
+
+
+def _num_shared(block) -> int:
+    _, _, intermediate = _routed_shape(block.experts)
+    return block.shared_experts.gate_up_proj.weight.shape[0] // (2 * intermediate)
+
+
+def why_not(block, max_tokens: int) -> Optional[str]:
+    """Why the kernel cannot run this MoE block's shared experts in its call, or None
+    (`max_tokens`: the buffer's tokens per rank)."""
+    experts, mlp = block.experts, block.shared_experts
+    _, hidden, intermediate = _routed_shape(experts)
+    if getattr(block, "num_fused_shared_experts", 0):
+        return "SGLang routes them as fused shared experts in the top-k"
+    if getattr(experts.moe_runner_config, "swiglu_limit", None) is not None:
+        return "the layer clamps the routed experts' SwiGLU (swiglu_limit), which the kernel would apply to them too"
+    if getattr(mlp, "swiglu_limit", None) is not None:
+        return "their SwiGLU is clamped (swiglu_limit)"
+    gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+    act = type(getattr(mlp, "act_fn", None)).__name__
+    if gate_up is None or down is None or act != "SiluAndMul":
+        return f"{type(mlp).__name__} is not a gate_up_proj / SiluAndMul / down_proj MLP"
+    for linear in (gate_up, down):
+        if getattr(linear, "tp_size", 1) != 1:
+            return f"its {type(linear).__name__} is sharded over {linear.tp_size} tensor-parallel ranks"
+        if getattr(linear, "bias", None) is not None:
+            return f"its {type(linear).__name__} has a bias"
+    rows = gate_up.weight.shape[0]
+    shared_intermediate = rows // 2
+    if rows % 2 or shared_intermediate % intermediate:
+        return f"their intermediate size {shared_intermediate} is no multiple of the routed experts' {intermediate}"
+    for linear, shape in ((gate_up, (rows, hidden)), (down, (hidden, shared_intermediate))):
+        problem = block_fp8_matrix_problem(getattr(linear, "weight", None), getattr(linear, "weight_scale_inv", None),
+                                           *shape)
+        if problem is not None:
+            return problem
+    try:
+        BufferShape.of_routed(int(experts.moe_ep_size), int(experts.num_experts), max(max_tokens, 1),
+                              int(block.config.num_experts_per_tok), hidden, intermediate,
+                              num_shared_experts=shared_intermediate // intermediate)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def fold(block) -> None:
+    """Move one block's shared experts into its experts' kernel-layout weights (in place of the
+    parameters' data, as the weight build does) and release the MLP's storage."""
+    experts, mlp = block.experts, block.shared_experts
+    _, _, intermediate = _routed_shape(experts)
+    num = _num_shared(block)
+    shared = split_mlp(mlp.gate_up_proj.weight.data, mlp.gate_up_proj.weight_scale_inv.data,
+                       mlp.down_proj.weight.data, mlp.down_proj.weight_scale_inv.data, intermediate)
+    (t13, ts13), (t2, ts2) = append_experts(experts.mega_l1_weights, experts.mega_l2_weights, shared)
+    w13, s13, w2, s2 = experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight, experts.w2_weight_scale_inv
+    w13.data, s13.data, w2.data, s2.data = t13, ts13, t2, ts2
+    experts.mega_l1_weights = (w13.data, s13.data)
+    experts.mega_l2_weights = (w2.data, s2.data)
+    setattr(experts, IN_CALL, num)
+    for param in mlp.parameters():
+        param.data = param.data.new_empty(0)
+
+
+def fold_model(blocks: List, max_tokens: int, register: Callable[[object], None]) -> None:
+    """Run the shared experts of a model's MoE `blocks` (those whose experts hold the kernel layout
+    and that have shared experts) in their calls, all or none; `register(experts)` records a folded
+    layer's new weights for the warm-up. Raises where a model loaded earlier in this process with
+    the same routed shape chose otherwise (the two would share one buffer)."""
+    if not blocks:
+        return
+    reasons: Dict[str, str] = {}
+    for block in blocks:
+        reason = why_not(block, max_tokens)
+        if reason is not None:
+            reasons.setdefault(reason, type(block.shared_experts).__name__)
+    wanted: Dict[Tuple[int, int, int], int] = {}
+    for block in blocks:
+        num = 0 if reasons else _num_shared(block)
+        shape = _routed_shape(block.experts)
+        if wanted.setdefault(shape, num) != num:
+            reasons.setdefault(f"its layers of one routed shape have {wanted[shape]} and {num} shared experts",
+                               type(block.shared_experts).__name__)
+    if reasons:
+        wanted = {shape: 0 for shape in wanted}
+    with _lock:
+        for shape, num in wanted.items():
+            if _in_call.get(shape, num) != num:
+                raise MegaMoEUnsupportedError(
+                    f"this model runs {num} shared experts in the kernel's call and a model loaded earlier in this "
+                    f"process with the same routed experts runs {_in_call[shape]}: the two would share one buffer",
+                    "serve the two models in separate servers")
+        _in_call.update(wanted)
+        if reasons:
+            for reason, name in reasons.items():
+                logger.warning("megamoe_sm90: %d MoE layers' shared experts (%s) run beside the kernel, not in its "
+                               "call: %s", len(blocks), name, reason)
+            return
+        for block in blocks:
+            fold(block)
+            register(block.experts)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the routed experts' old storage, before SGLang measures free memory
+    logger.info("megamoe_sm90: %d MoE layers run their shared experts (%s) inside the kernel's call as %s more "
+                "expert(s) per rank", len(blocks), type(blocks[0].shared_experts).__name__,
+                "/".join(str(n) for n in sorted(set(wanted.values()))))
+
+
+def forget_models() -> None:
+    """Forget the loaded models' choices (tests; a new engine in the same process)."""
+    with _lock:
+        _in_call.clear()
