@@ -141,3 +141,31 @@ class Block(torch.nn.Module):
     def _forward_shared_experts(self, hidden_states):
         self.shared_forwards += 1
         return shared_expected(hidden_states.float(), *self.shared_checkpoint).bfloat16()
+
+
+def routing(n, seed=1):
+    """n random BF16 tokens, their top-k ids and weights."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, HIDDEN, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=g)[:TOPK] for _ in range(n)]).int()
+    return x, ids, torch.rand(n, TOPK, generator=g)
+
+
+def load_model(blocks):
+    """The plugin's ModelRunner.load_model hook over a model of these blocks (SGLang's own load,
+    which built the experts' weights through the weight-build hook, stands in as done)."""
+    from megamoe_plugin.sglang_plugin import layer
+
+    runner = type("ModelRunner", (), {"model": torch.nn.ModuleList(blocks)})()
+    assert layer.load_model(lambda r: "loaded", runner) == "loaded"
+
+
+def built_experts(seed):
+    """Experts whose weights the weight-build hook put in the kernel layout, and their checkpoint."""
+    import sglang.srt.layers.moe.mega_moe_sm90 as sm90
+
+    experts = Experts(fp8_config(), seed=seed)
+    ckpt = [p.data.clone() for p in (experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight,
+                                     experts.w2_weight_scale_inv)]
+    sm90.build_sm90_mega_moe_experts_weights(experts)
+    return experts, ckpt

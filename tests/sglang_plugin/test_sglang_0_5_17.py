@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from conftest import DEEPSEEK_FIXTURE_MODEL, FIXTURE_MODEL, HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOPK, only_0_5_17
-from fp8_experts import CAP, Block, Experts, SharedMLP, expected, fp8_config, shared_expected, sm90_reference
+from fp8_experts import (CAP, Block, Experts, SharedMLP, built_experts, expected, fp8_config, load_model, routing,
+                         shared_expected, sm90_reference)
 
 pytestmark = only_0_5_17
 
@@ -153,13 +154,6 @@ def selected_on_sm90(registered, monkeypatch):
         yield
 
 
-def _routing(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, HIDDEN, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=g)[:TOPK] for _ in range(n)]).int()
-    return x, ids, torch.rand(n, TOPK, generator=g)
-
-
 def test_a_deepseek_moe_block_runs_the_kernel_path_and_matches_the_contract(selected_on_sm90):
     import sglang.srt.layers.moe.mega_moe as mega_moe
     import sglang.srt.layers.moe.mega_moe_sm90 as sm90
@@ -171,7 +165,7 @@ def test_a_deepseek_moe_block_runs_the_kernel_path_and_matches_the_contract(sele
     sm90.build_sm90_mega_moe_experts_weights(experts)  # what 0.5.17's Fp8MoEMethod calls at load
     assert experts.mega_l1_weights[0].data_ptr() == experts.w13_weight.data_ptr()  # no second copy
 
-    x, ids, weights = _routing(5)
+    x, ids, weights = routing(5)
     block = _Block(experts, ids, weights)
     assert mega_moe.should_use_mega_moe(block, x)
     y = mega_moe._run_mega_routed(block, x, None, None, 5)
@@ -197,7 +191,7 @@ def test_a_forward_over_the_token_cap_is_refused_not_run_on_the_usual_path(selec
 
     experts = Experts(fp8_config())
     sm90.build_sm90_mega_moe_experts_weights(experts)
-    x, ids, weights = _routing(CAP + 1)
+    x, ids, weights = routing(CAP + 1)
     with pytest.raises(MegaMoEUnsupportedError, match=f"a forward of {CAP + 1} tokens on this rank"):
         mega_moe.should_use_mega_moe(_Block(experts, ids, weights), x)
     assert mega_moe.should_use_mega_moe(_Block(experts, ids, weights), x[:CAP])
@@ -229,19 +223,12 @@ def test_the_blocks_shared_experts_run_inside_the_call(selected_on_sm90):
     """0.5.17's load and forward: after ModelRunner.load_model the block's forward runs one call
     with its shared expert in it (the buffer asked for it), not the MLP."""
     import sglang.srt.layers.moe.mega_moe as mega_moe
-    import sglang.srt.layers.moe.mega_moe_sm90 as sm90
 
-    from megamoe_plugin.sglang_plugin import layer
-
-    experts = Experts(fp8_config())
+    experts, ckpt = built_experts(3)
     experts.should_fuse_routed_scaling_factor_in_topk = False
-    ckpt = [p.data.clone() for p in (experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight,
-                                     experts.w2_weight_scale_inv)]
-    sm90.build_sm90_mega_moe_experts_weights(experts)
-    x, ids, weights = _routing(6)
+    x, ids, weights = routing(6)
     block = Block(experts, SharedMLP(1, seed=4), ids, weights)
-    runner = type("ModelRunner", (), {"model": torch.nn.ModuleList([block])})()
-    layer.load_model(lambda r: None, runner)
+    load_model([block])
     assert experts.w13_weight.shape[0] == NUM_EXPERTS + 1
     y = mega_moe.forward_mega_moe(block, x)
     want = expected(x.float(), ids, 2.5 * weights, *ckpt) + shared_expected(x.float(), *block.shared_checkpoint)

@@ -15,7 +15,8 @@ import torch
 
 from conftest import HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOPK, not_0_5_17
 from contract_oracle import FP8
-from fp8_experts import Block, Experts, SharedMLP, expected, fp8_config, shared_expected, sm90_reference
+from fp8_experts import (Block, Experts, SharedMLP, built_experts, expected, fp8_config, load_model, routing,
+                         shared_expected, sm90_reference)
 
 pytestmark = not_0_5_17
 
@@ -169,32 +170,6 @@ def test_the_first_forward_warms_up_every_loaded_layer_in_one_step(selected_on_s
     assert [c["n"] for c in calls["op"]] == [5] * 6 and len({id(c["buf"]) for c in calls["op"]}) == 1
 
 
-def _routing(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, HIDDEN, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=g)[:TOPK] for _ in range(n)]).int()
-    return x, ids, torch.rand(n, TOPK, generator=g)
-
-
-def _load(blocks):
-    """The plugin's ModelRunner.load_model hook over a model of these blocks (SGLang's own load,
-    which built the experts' weights through the weight-build hook, stands in as done)."""
-    from megamoe_plugin.sglang_plugin import layer
-
-    runner = type("ModelRunner", (), {"model": torch.nn.ModuleList(blocks)})()
-    assert layer.load_model(lambda r: "loaded", runner) == "loaded"
-
-
-def _built_experts(seed):
-    import sglang.srt.layers.moe.mega_moe_sm90 as sm90
-
-    experts = Experts(fp8_config(), seed=seed)
-    ckpt = [p.data.clone() for p in (experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight,
-                                     experts.w2_weight_scale_inv)]
-    sm90.build_sm90_mega_moe_experts_weights(experts)
-    return experts, ckpt
-
-
 @pytest.mark.parametrize("num_shared", [1, 2])
 def test_the_blocks_shared_experts_run_inside_the_call(selected_on_sm90, num_shared, caplog):
     """After the load, each block's shared MLP is S = n_shared experts of the call (appended to its
@@ -205,11 +180,11 @@ def test_the_blocks_shared_experts_run_inside_the_call(selected_on_sm90, num_sha
 
     from megamoe_plugin import serving
 
-    x, ids, weights = _routing(7)
-    layers = [_built_experts(seed) for seed in (3, 4)]
+    x, ids, weights = routing(7)
+    layers = [built_experts(seed) for seed in (3, 4)]
     blocks = [Block(experts, SharedMLP(num_shared, seed=10 + i), ids, weights) for i, (experts, _) in enumerate(layers)]
     with caplog.at_level("INFO", logger="megamoe_plugin.sglang"):
-        _load(blocks)
+        load_model(blocks)
     assert f"2 MoE layers run their shared experts (SharedMLP) inside the kernel's call as {num_shared} more" in caplog.text
     for block, (experts, ckpt) in zip(blocks, layers):
         assert experts.w13_weight.shape[0] == experts.w2_weight_scale_inv.shape[0] == NUM_EXPERTS + num_shared
@@ -240,11 +215,11 @@ def test_a_model_whose_shared_experts_the_call_cannot_take_keeps_them_beside_it(
     the call (one log line naming why), and the forward adds the MLP's output to the routed one."""
     import sglang.srt.layers.moe.mega_moe as mega_moe
 
-    x, ids, weights = _routing(5)
-    (good, good_ckpt), (bad, _) = _built_experts(3), _built_experts(4)
+    x, ids, weights = routing(5)
+    (good, good_ckpt), (bad, _) = built_experts(3), built_experts(4)
     blocks = [Block(good, SharedMLP(1, seed=5), ids, weights), Block(bad, SharedMLP(1, seed=6, **change), ids, weights)]
     with caplog.at_level("WARNING", logger="megamoe_plugin.sglang"):
-        _load(blocks)
+        load_model(blocks)
     assert f"2 MoE layers' shared experts (SharedMLP) run beside the kernel, not in its call: {reason}" in caplog.text
     assert good.w13_weight.shape[0] == NUM_EXPERTS and blocks[0].shared_experts.gate_up_proj.weight.numel() > 0
     y = mega_moe.forward_mega_moe(blocks[0], x)
@@ -258,9 +233,9 @@ def test_two_models_of_one_routed_shape_must_agree(selected_on_sm90):
     (e.g. a draft model) that would need the other kind is refused at its load, by name."""
     from megamoe_plugin.sglang_plugin.refusals import MegaMoEUnsupportedError
 
-    x, ids, weights = _routing(3)
-    _load([Block(_built_experts(3)[0], SharedMLP(2, seed=5), ids, weights)])
-    _load([Block(_built_experts(4)[0], SharedMLP(2, seed=6), ids, weights)])  # the same choice: fine
+    x, ids, weights = routing(3)
+    load_model([Block(built_experts(3)[0], SharedMLP(2, seed=5), ids, weights)])
+    load_model([Block(built_experts(4)[0], SharedMLP(2, seed=6), ids, weights)])  # the same choice: fine
     with pytest.raises(MegaMoEUnsupportedError, match="this model runs 0 shared experts in the kernel's call and a "
                                                       "model loaded earlier .* runs 2"):
-        _load([Block(_built_experts(5)[0], SharedMLP(2, seed=7, tp_size=2), ids, weights)])
+        load_model([Block(built_experts(5)[0], SharedMLP(2, seed=7, tp_size=2), ids, weights)])
