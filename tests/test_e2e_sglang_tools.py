@@ -1,5 +1,6 @@
 """tools/e2e's SGLang helpers on a CPU: sglang_logprobs.py turns sglang /generate answers into the
-records that compare_logprobs.py compares; sglang_scaled_weights/ replaces SGLang's dummy fill."""
+records that compare_logprobs.py compares; sglang_scaled_weights/ replaces SGLang's dummy fill;
+decode_steps.py reads a server log's decode reports."""
 import importlib.util
 import json
 import os
@@ -21,6 +22,7 @@ def _load(name, path):
 
 logprobs = _load("sglang_logprobs", "tools/e2e/sglang_logprobs.py")
 compare_logprobs = _load("compare_logprobs", "tools/e2e/compare_logprobs.py")
+decode_steps = _load("decode_steps", "tools/e2e/decode_steps.py")
 
 
 def _answers(input_ids, shift, output_ids=(11, 12)):
@@ -98,3 +100,26 @@ def test_scaled_weights_replace_sglangs_dummy_fill_in_a_fresh_process(tmp_path):
 def test_scaled_weights_refuse_a_loader_without_the_dummy_fill(tmp_path):
     proc = _run_child(tmp_path, "x = 1\n")
     assert proc.returncode != 0 and "has no initialize_dummy_weights" in proc.stderr
+
+
+def _decode_report(running, throughput):
+    return (f"[2026-12-06 19:00:06] Decode batch, #running-req: {running}, #token: 76436, token usage: 0.01, "
+            f"cuda graph: True, gen throughput (token/s): {throughput}, #queue-req: 0\n")
+
+
+def test_decode_steps_takes_the_median_at_the_usual_running_count(tmp_path, capsys):
+    log = tmp_path / "serve.log"
+    lines = ["[2026-12-06 19:00:00] Prefill batch, #new-seq: 1, #new-token: 8, input throughput (token/s): 6.06\n",
+             _decode_report(1, 1.31), _decode_report(4, 9000.0)]
+    lines += [_decode_report(64, t) for t in (900.5, 24000.0, 25000.0, 26000.0, 23000.0)]
+    log.write_text("".join(lines))
+    assert decode_steps.main([str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "with 64 running requests: 5, gen throughput median 24000 tok/s" in out
+    assert decode_steps.main([str(log), "--running", "4"]) == 0
+    assert "with 4 running requests: 1, gen throughput median 9000 tok/s" in capsys.readouterr().out
+    assert decode_steps.main([str(log), "--running", "8"]) == 1
+    assert "no decode report with 8 running requests" in capsys.readouterr().err
+    empty = tmp_path / "empty.log"
+    empty.write_text(lines[0])
+    assert decode_steps.main([str(empty)]) == 1

@@ -15,8 +15,9 @@
 #   SCALED_WEIGHTS=1  input-dependent dummy weights (sglang_scaled_weights/sitecustomize.py), so that
 #                  the logprobs of two backends can disagree; use it for every backend of a comparison
 #   SGLANG_PORT (30000), HEALTH_TIMEOUT (600 s), PYTHON (python3)
-# Writes RESULTS_DIR/serve_<BACKEND>_r<ROUND>.log, bench_*.log, bench_*.jsonl, logprobs_*.json; compare
-# two backends' logprobs with `python3 tools/e2e/compare_logprobs.py A.json B.json`.
+# Writes RESULTS_DIR/serve_<BACKEND>_r<ROUND>.log, bench_*.log, bench_*.jsonl, logprobs_*.json, and prints
+# the benchmark's figures and the server's decode throughput (decode_steps.py); compare two backends'
+# logprobs with `python3 tools/e2e/compare_logprobs.py A.json B.json`.
 set -uo pipefail
 BACKEND=${BACKEND:?set BACKEND to megamoe_sm90, deepgemm or default}
 TOKENIZER_DIR=${TOKENIZER_DIR:?set TOKENIZER_DIR to a folder with tokenizer.json and tokenizer_config.json}
@@ -62,6 +63,7 @@ log "benchmark ${BENCH_ARGS:-}"
   --num-prompts 256 --max-concurrency 64 --output-file "$RESULTS_DIR/bench_$TAG.jsonl" ${BENCH_ARGS:-} \
   > "$RESULTS_DIR/bench_$TAG.log" 2>&1 || log "benchmark failed (rc $?)"
 grep -E "^(Successful|Request|Output|Total|Mean|Median|P99) .*(requests|throughput|TTFT|TPOT|ITL)" "$RESULTS_DIR/bench_$TAG.log"
+"$PY" "$HERE/decode_steps.py" "$RESULTS_DIR/serve_$TAG.log" || log "no decode report in the server log"
 
 # Prompt logprobs of fixed token ids, greedy (tools/e2e/compare_logprobs.py compares two files).
 "$PY" "$HERE/sglang_logprobs.py" "$PORT" "$RESULTS_DIR/logprobs_$TAG.json" || log "logprobs failed"
