@@ -67,6 +67,8 @@ def check_numerics(numerics) -> Numerics:
 # The experts' weight formats (weights.weight_format): FP8 128x128 blocks, or MXFP4 read at 4 bits
 # (csrc/megamoe/config.cuh kFp4Weights), so far at BLOCK_M 8-64 in fast numerics.
 WEIGHT_FORMATS = ("fp8", "mxfp4")
+# What a shape's name gets for each weight format where the bench and the tuner name their configs.
+WEIGHT_NAME_SUFFIX = {"fp8": "", "mxfp4": "+w4"}
 _FP4_BLOCK_M = (8, 16, 32, 64)
 
 

@@ -65,6 +65,7 @@ from .heuristics import (
     select_block_m,
     stages_in_flight,
     WEIGHT_FORMATS,
+    WEIGHT_NAME_SUFFIX,
 )
 from .jit import compile_variants
 from .kernel_variant import KernelVariant
@@ -105,7 +106,7 @@ class Point(NamedTuple):
     @property
     def label(self) -> str:
         """The shape's name, with +w4 for MXFP4 experts (as the bench names its configs)."""
-        return self.shape_name + ("+w4" if self.weights == "mxfp4" else "")
+        return self.shape_name + WEIGHT_NAME_SUFFIX[self.weights]
 
     def heuristic(self) -> Candidate:
         """What a call would run without a table: heuristics.default_config at R = 1."""

@@ -24,10 +24,10 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from ..configs import REFERENCE_SHAPES, REFERENCE_TOKENS_PER_RANK
-from ..heuristics import NUMERICS_MODES, WEIGHT_FORMATS, Numerics
+from ..heuristics import NUMERICS_MODES, WEIGHT_FORMATS, WEIGHT_NAME_SUFFIX, Numerics
 
 PROG = "megamoe-bench"
 # docs/design.md section 8's reference configs, (H, I, K); every one has 32 local experts per rank.
@@ -224,7 +224,7 @@ class _Timer:
 
         self.args, self.ceilings, self.group, self.rank, self.num_ranks = args, ceilings, group, rank, num_ranks
         self.name = f"{name}+s{args.shared_experts}" if args.shared_experts else name
-        self.name += "+w4" if args.weights == "mxfp4" else ""
+        self.name += WEIGHT_NAME_SUFFIX[args.weights]
         self.hidden, self.inter, self.topk = hidden, inter, topk
         self.num_experts, self.local_experts, self.gen = num_experts, local_experts, gen
         self.layer = random_layer_of(args.weights)(local_experts, hidden, inter, "cuda", gen)
