@@ -1,15 +1,19 @@
 """The AROUND hooks on SGLang's SM90 mega-MoE path (`sglang.srt.layers.moe.mega_moe_sm90`,
-`mega_moe`). Each calls SGLang's original unless the server arguments select megamoe_sm90,
-so DeepGEMM's `--moe-a2a-backend megamoe` keeps working with the plugin installed.
+`mega_moe`) and its model load. Each calls SGLang's original unless the server arguments select
+megamoe_sm90, so DeepGEMM's `--moe-a2a-backend megamoe` keeps working with the plugin installed.
 
     build weights   (model load)  refusals, then `megamoe_plugin.transform_weights` in place
                                   of the parameters' data: no second copy of the experts
+    load model      (after it)    the MoE blocks' shared experts into their calls where the
+                                  kernel can take them (shared_experts.fold_model)
     available?      (forward)     our weights built (no DeepGEMM needed)
     buffer          (forward)     `megamoe_plugin.serving.get_buffer` over SGLang's MoE EP
-                                  device group, sized by SGLang's per-rank token cap
+                                  device group, sized by SGLang's per-rank token cap, with the
+                                  shared experts the calls run
     routed forward  (forward)     staging + kernel (warmed up before its first call), or the
                                   float32 reference under MEGAMOE_EXECUTOR=reference
-    block forward   (forward)     the routed call first, the block's shared experts after it
+    block forward   (forward)     the routed call alone where it runs the shared experts, else
+                                  the routed call first and the block's shared experts after it
                                   on a side stream (SGLang computes them first)
 
 sglang 0.5.17 (HOOKS_0_5_17) hands the routed forward DeepSeek-V2's MoE block and asks for the
