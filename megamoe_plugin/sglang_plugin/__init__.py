@@ -16,8 +16,10 @@ idempotent and touches no CUDA. It
    layers run this kernel rather than DeepGEMM's;
 3. wraps the SM90 mega-MoE functions (SGLang's HookRegistry, AROUND hooks that call the
    original when the backend is not selected): the expert-weight build (our weight
-   transform, after the refusals), the buffer (ours), and the routed forward (our staging
-   and kernel, or the float32 reference under MEGAMOE_EXECUTOR=reference).
+   transform, after the refusals), the buffer (ours), the routed forward (our staging
+   and kernel, or the float32 reference under MEGAMOE_EXECUTOR=reference), the MoE block's
+   forward, and the model load (`ModelRunner.load_model`: after it, the blocks' shared experts
+   move into the kernel's call, shared_experts.py).
 
 Before any of that it checks the SGLang version and the signature of every function it
 hooks (registration.py); see docs/sglang.md. That is sglang 0.5.23 and later 0.5.x; sglang
