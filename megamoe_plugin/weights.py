@@ -291,18 +291,6 @@ def append_experts(l1: WeightPair, l2: WeightPair,
             (torch.cat([w2_t, s2]), torch.cat([w2_scale_t, s2_scale])))
 
 
-def block_fp8_matrix_problem(weight: Optional[torch.Tensor], scale: Optional[torch.Tensor], rows: int,
-                             cols: int) -> Optional[str]:
-    """Why (weight, scale) is not one [rows, cols] matrix of 128x128-block FP8 in the checkpoint
-    layout (a framework's linear layer, e.g. a shared expert's), or None."""
-    if (weight is None or scale is None or weight.dtype != FP8_DTYPE or tuple(weight.shape) != (rows, cols)
-            or scale.dtype != torch.float32 or tuple(scale.shape) != (rows // BLOCK, cols // BLOCK)
-            or not weight.is_contiguous() or not scale.is_contiguous()):
-        return (f"its weights are not contiguous [{rows}, {cols}] float8_e4m3fn with [{rows // BLOCK}, "
-                f"{cols // BLOCK}] float32 block scales")
-    return None
-
-
 def split_mlp(gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
               intermediate: int) -> Dict[str, torch.Tensor]:
     """One SwiGLU MLP of intermediate S*I (gate_up [2SI, H]: S*I gate rows then S*I up rows; down

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 import megamoe_plugin.fp8 as fp8
 from contract_oracle import dequant_blocks, quant_blocks
-from megamoe_plugin.weights import (append_experts, block_fp8_matrix_problem, split_mlp, transform_weights,
-                                    untransform_weights, validate_checkpoint_weights)
+from megamoe_plugin.weights import (append_experts, split_mlp, transform_weights, untransform_weights,
+                                    validate_checkpoint_weights)
 
 E_LOCAL, HIDDEN, INTER = 3, 384, 256
 
@@ -196,18 +196,3 @@ def test_append_experts_is_the_transform_with_shared_experts():
         append_experts(*routed, dict(w13=s13, w13_scale=s13_scale, w2=s2))
     with pytest.raises(ValueError, match=r"w13_scale must have shape"):  # checkpoint layout, not the kernel's
         append_experts((w13, w13_scale), (w2, w2_scale), shared)
-
-
-@pytest.mark.parametrize("change, problem", [
-    (None, None),
-    (lambda w, s: (w.float(), s), "not contiguous [256, 384] float8_e4m3fn"),
-    (lambda w, s: (w, s[:1]), "[2, 3] float32 block scales"),
-    (lambda w, s: (w.t().contiguous().t(), s), "not contiguous"),
-    (lambda w, s: (None, s), "not contiguous"),
-])
-def test_block_fp8_matrix_problem(change, problem):
-    w, s = quant_blocks(torch.randn(256, 384))
-    if change is not None:
-        w, s = change(w, s)
-    found = block_fp8_matrix_problem(w, s, 256, 384)
-    assert found is None if problem is None else problem in found

@@ -7,7 +7,7 @@ mega-MoE path is on), and adds its output to the routed experts' (already scaled
 routed_scaling_factor). The kernel takes S shared experts of the routed I as S more local
 experts of every rank (docs/design.md section 2), so at the end of the model load (the plugin
 wraps `ModelRunner.load_model`; the weight build before it sees only the experts module) each
-block's MLP is split into S experts (weights.split_mlp), appended to the block's kernel-layout
+block's MLP is split into S experts (megamoe_plugin.shared_mlp), appended to the block's kernel-layout
 experts (weights.append_experts) with routing weight 1, and its own weight storage is released.
 The block's forward (layer.forward_mega_moe) then runs only the routed call, and the buffer is
 asked for S shared experts (`shared_experts_in_call`).
@@ -28,7 +28,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..buffer import BufferShape
-from ..weights import append_experts, block_fp8_matrix_problem, split_mlp
+from .. import shared_mlp
+from ..weights import append_experts
 from .refusals import MegaMoEUnsupportedError
 
 logger = logging.getLogger("megamoe_plugin.sglang")
@@ -60,11 +61,6 @@ def _routed_shape(experts) -> Tuple[int, int, int]:
     return shape_key(experts.num_experts, w2.shape[1], w2.shape[2])
 
 
-def _num_shared(block) -> int:
-    _, _, intermediate = _routed_shape(block.experts)
-    return block.shared_experts.gate_up_proj.weight.shape[0] // (2 * intermediate)
-
-
 def why_not(block, max_tokens: int) -> Optional[str]:
     """Why the kernel cannot run this MoE block's shared experts in its call, or None
     (`max_tokens`: the buffer's tokens per rank)."""
@@ -76,28 +72,13 @@ def why_not(block, max_tokens: int) -> Optional[str]:
         return "the layer clamps the routed experts' SwiGLU (swiglu_limit), which the kernel would apply to them too"
     if getattr(mlp, "swiglu_limit", None) is not None:
         return "their SwiGLU is clamped (swiglu_limit)"
-    gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
-    act = type(getattr(mlp, "act_fn", None)).__name__
-    if gate_up is None or down is None or act != "SiluAndMul":
-        return f"{type(mlp).__name__} is not a gate_up_proj / SiluAndMul / down_proj MLP"
-    for linear in (gate_up, down):
-        if getattr(linear, "tp_size", 1) != 1:
-            return f"its {type(linear).__name__} is sharded over {linear.tp_size} tensor-parallel ranks"
-        if getattr(linear, "bias", None) is not None:
-            return f"its {type(linear).__name__} has a bias"
-    rows = gate_up.weight.shape[0]
-    shared_intermediate = rows // 2
-    if rows % 2 or shared_intermediate % intermediate:
-        return f"their intermediate size {shared_intermediate} is no multiple of the routed experts' {intermediate}"
-    for linear, shape in ((gate_up, (rows, hidden)), (down, (hidden, shared_intermediate))):
-        problem = block_fp8_matrix_problem(getattr(linear, "weight", None), getattr(linear, "weight_scale_inv", None),
-                                           *shape)
-        if problem is not None:
-            return problem
+    reason = shared_mlp.problem(mlp, hidden, intermediate)
+    if reason is not None:
+        return reason
     try:
         BufferShape.of_routed(int(experts.moe_ep_size), int(experts.num_experts), max(max_tokens, 1),
                               int(block.config.num_experts_per_tok), hidden, intermediate,
-                              num_shared_experts=shared_intermediate // intermediate)
+                              num_shared_experts=shared_mlp.num_experts(mlp, intermediate))
     except ValueError as exc:
         return str(exc)
     return None
@@ -108,17 +89,14 @@ def fold(block) -> None:
     parameters' data, as the weight build does) and release the MLP's storage."""
     experts, mlp = block.experts, block.shared_experts
     _, _, intermediate = _routed_shape(experts)
-    num = _num_shared(block)
-    shared = split_mlp(mlp.gate_up_proj.weight.data, mlp.gate_up_proj.weight_scale_inv.data,
-                       mlp.down_proj.weight.data, mlp.down_proj.weight_scale_inv.data, intermediate)
-    (t13, ts13), (t2, ts2) = append_experts(experts.mega_l1_weights, experts.mega_l2_weights, shared)
+    (t13, ts13), (t2, ts2) = append_experts(experts.mega_l1_weights, experts.mega_l2_weights,
+                                            shared_mlp.as_experts(mlp, intermediate))
     w13, s13, w2, s2 = experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight, experts.w2_weight_scale_inv
     w13.data, s13.data, w2.data, s2.data = t13, ts13, t2, ts2
     experts.mega_l1_weights = (w13.data, s13.data)
     experts.mega_l2_weights = (w2.data, s2.data)
-    setattr(experts, IN_CALL, num)
-    for param in mlp.parameters():
-        param.data = param.data.new_empty(0)
+    setattr(experts, IN_CALL, shared_mlp.num_experts(mlp, intermediate))
+    shared_mlp.release(mlp)
 
 
 def fold_model(blocks: List, max_tokens: int, register: Callable[[object], None]) -> None:
@@ -135,7 +113,7 @@ def fold_model(blocks: List, max_tokens: int, register: Callable[[object], None]
             reasons.setdefault(reason, type(block.shared_experts).__name__)
     wanted: Dict[Tuple[int, int, int], int] = {}
     for block in blocks:
-        num = 0 if reasons else _num_shared(block)
+        num = 0 if reasons else shared_mlp.num_experts(block.shared_experts, _routed_shape(block.experts)[2])
         shape = _routed_shape(block.experts)
         if wanted.setdefault(shape, num) != num:
             reasons.setdefault(f"its layers of one routed shape have {wanted[shape]} and {num} shared experts",

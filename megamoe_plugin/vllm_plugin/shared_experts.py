@@ -33,7 +33,7 @@ from typing import Dict, Optional
 import torch
 
 from ..buffer import BufferShape
-from ..weights import block_fp8_matrix_problem, split_mlp
+from .. import shared_mlp
 from .refusals import info_once, warn_once
 
 
@@ -59,18 +59,13 @@ class KernelSharedExperts:
     routing_weight: float  # stage_inputs' shared_scale
 
 
-def _block_fp8_linear(linear, rows: int, cols: int) -> Optional[str]:
-    """Why `linear` does not hold a [rows, cols] block-FP8 weight in the checkpoint layout, or None."""
-    if linear is None or getattr(linear, "bias", None) is not None:
-        return f"{type(linear).__name__} is not a bias-free linear layer"
-    if getattr(linear, "tp_size", 1) != 1:
-        return f"its {type(linear).__name__} is sharded over {linear.tp_size} tensor-parallel ranks"
+def _linear_kernel_problem(linear) -> Optional[str]:
+    """Why vLLM's `linear` does not keep its weights in the checkpoint layout, or None."""
     kernel = type(getattr(getattr(linear, "quant_method", None), "fp8_linear", None)).__name__
     if kernel not in CHECKPOINT_LAYOUT_LINEAR_KERNELS:
         return (f"its weights are not 128x128-block FP8 in the checkpoint layout (linear kernel {kernel}; the kernel "
                 f"takes them from {', '.join(sorted(CHECKPOINT_LAYOUT_LINEAR_KERNELS))})")
-    return block_fp8_matrix_problem(getattr(linear, "weight", None), getattr(linear, "weight_scale_inv", None),
-                                    rows, cols)
+    return None
 
 
 def _why_not(runner, mlp, moe_config, activation_clamp: Optional[float], hidden: int,
@@ -88,19 +83,7 @@ def _why_not(runner, mlp, moe_config, activation_clamp: Optional[float], hidden:
         return "the layer clamps the routed experts' SwiGLU (swiglu_limit), which the kernel would apply to them too"
     if getattr(moe_config, "is_sequence_parallel", False) or getattr(mlp, "is_sequence_parallel", False):
         return "the layer runs sequence parallel"
-    gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
-    act = type(getattr(mlp, "act_fn", None)).__name__
-    if gate_up is None or down is None or act != "SiluAndMul":
-        return f"{type(mlp).__name__} is not a gate_up_proj / SiluAndMul / down_proj MLP"
-    rows = getattr(gate_up, "output_size_per_partition", None) or gate_up.weight.shape[0]
-    shared_intermediate = rows // 2
-    if rows % 2 or shared_intermediate % intermediate:
-        return (f"their intermediate size {shared_intermediate} is no multiple of the routed experts' {intermediate}")
-    for linear, shape in ((gate_up, (rows, hidden)), (down, (hidden, shared_intermediate))):
-        reason = _block_fp8_linear(linear, *shape)
-        if reason is not None:
-            return reason
-    return None
+    return shared_mlp.problem(mlp, hidden, intermediate, _linear_kernel_problem)
 
 
 def take_from_runner(runner, moe_config, activation_clamp: Optional[float], num_ranks: int, num_experts: int,
@@ -116,7 +99,7 @@ def take_from_runner(runner, moe_config, activation_clamp: Optional[float], num_
         return None
     reason = _why_not(runner, mlp, moe_config, activation_clamp, hidden, intermediate, routed_format)
     if reason is None:
-        num_shared = mlp.gate_up_proj.weight.shape[0] // (2 * intermediate)
+        num_shared = shared_mlp.num_experts(mlp, intermediate)
         try:
             BufferShape.of_routed(num_ranks, num_experts, max(max_tokens, 1), topk, hidden, intermediate,
                                   num_shared_experts=num_shared)
@@ -126,8 +109,7 @@ def take_from_runner(runner, moe_config, activation_clamp: Optional[float], num_
         warn_once("megamoe_sm90: a MoE layer's shared experts (%s) run beside the kernel, not in its call: %s",
                   type(mlp).__name__, reason)
         return None
-    weights = split_mlp(mlp.gate_up_proj.weight.data, mlp.gate_up_proj.weight_scale_inv.data,
-                        mlp.down_proj.weight.data, mlp.down_proj.weight_scale_inv.data, intermediate)
+    weights = shared_mlp.as_experts(mlp, intermediate)
     scale = float(getattr(runner, "routed_scaling_factor", 1.0) or 1.0)
     _detach(runner, mlp)
     info_once("megamoe_sm90: MoE layers' shared experts (%s of intermediate %d) run inside the kernel's call as %d "
@@ -140,8 +122,7 @@ def _detach(runner, mlp) -> None:
     them), and the MLP's weights give their storage back."""
     runner._shared_experts = None
     runner._forward_entry = runner._select_forward()
-    for param in mlp.parameters():
-        param.data = param.data.new_empty(0)
+    shared_mlp.release(mlp)
     for module in mlp.modules():
         # vLLM's DeepGEMM warm-up runs every linear layer that names a provider, with its weights
         if hasattr(module, "deep_gemm_warmup_provider"):
