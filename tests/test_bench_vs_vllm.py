@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import megamoe_plugin as mm
+from cli_help import assert_help_describes
 from megamoe_plugin.bench import vs_vllm
 from megamoe_plugin.bench.baselines import merge_shared_experts, shared_expert_mlp
 from megamoe_plugin.bench.floors import Ceilings, rank_floor
@@ -30,13 +31,7 @@ def _run(*args, **env):
 
 
 def test_help_describes_the_command_and_every_option():
-    proc = _run("--help")
-    assert proc.returncode == 0, proc.stderr
-    parser = vs_vllm.parser()
-    assert parser.description.splitlines()[0] in proc.stdout
-    for action in parser._actions:
-        assert action.help, action.dest
-        assert action.option_strings[-1] in proc.stdout
+    assert_help_describes(_run("--help"), vs_vllm.parser())
 
 
 def test_shape_options_are_named_as_in_the_other_clis():
