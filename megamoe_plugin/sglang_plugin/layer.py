@@ -78,6 +78,7 @@ def build_weights(original, experts) -> None:
     experts._mega_moe_sm90_fp8_weights = True
     experts._mega_moe_weights_built = True
     setattr(experts, MARK, True)
+    refusals.refuse_weight_updates((w13, s13, w2, s2))
     _register(experts)
     return None
 

@@ -134,3 +134,18 @@ def check_experts(experts, *, executor: str, device_sm: Optional[int], device_na
         return
     capability = None if not device_sm else support.capability_of(device_sm)
     support.check_device(capability, device_name, MegaMoEUnsupportedError, HINTS)
+
+
+def _refuse_weight_update(param, *args, **kwargs):
+    raise MegaMoEUnsupportedError(
+        "updating a MoE layer's expert weights in place (SGLang's update_weights_from_disk / _tensor / "
+        "_distributed / _ipc): megamoe_sm90 holds them in its kernel's layout, with the shared experts inside "
+        "them, so a checkpoint tensor written over them would be read wrong",
+        "restart the server on the new checkpoint, or serve with another --moe-runner-backend")
+
+
+def refuse_weight_updates(params) -> None:
+    """Parameters in the kernel's layout (or whose storage went into it) get a weight loader that
+    refuses by name: SGLang's weight-update requests load through each parameter's `weight_loader`."""
+    for param in params:
+        param.weight_loader = _refuse_weight_update

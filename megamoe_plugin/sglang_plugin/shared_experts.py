@@ -30,7 +30,7 @@ import torch
 from ..buffer import BufferShape
 from .. import shared_mlp
 from ..weights import append_experts
-from .refusals import MegaMoEUnsupportedError
+from .refusals import MegaMoEUnsupportedError, refuse_weight_updates
 
 logger = logging.getLogger("megamoe_plugin.sglang")
 
@@ -97,6 +97,7 @@ def fold(block) -> None:
     experts.mega_l2_weights = (w2.data, s2.data)
     setattr(experts, IN_CALL, shared_mlp.num_experts(mlp, intermediate))
     shared_mlp.release(mlp)
+    refuse_weight_updates(mlp.parameters())
 
 
 def fold_model(blocks: List, max_tokens: int, register: Callable[[object], None]) -> None:

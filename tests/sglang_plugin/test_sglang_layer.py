@@ -61,6 +61,12 @@ def test_weights_are_transformed_in_place_and_the_forward_matches_the_contract(s
     assert experts.mega_l1_weights[0].data_ptr() == experts.w13_weight.data_ptr()  # no second copy
     assert experts.mega_l2_weights[1].data_ptr() == experts.w2_weight_scale_inv.data_ptr()
     assert mega_moe.is_mega_moe_experts_ready(experts)
+    # SGLang's weight-update requests load through each parameter's weight_loader: refused by name,
+    # since a checkpoint tensor written over the kernel layout would be read wrong.
+    from megamoe_plugin.sglang_plugin.refusals import MegaMoEUnsupportedError
+    for param in params:
+        with pytest.raises(MegaMoEUnsupportedError, match="updating a MoE layer's expert weights in place"):
+            param.weight_loader(param, param.data.clone(), "experts.w13_weight", shard_id="w1", expert_id=0)
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, HIDDEN, generator=g).bfloat16()
@@ -179,6 +185,7 @@ def test_the_blocks_shared_experts_run_inside_the_call(selected_on_sm90, num_sha
     import sglang.srt.layers.moe.mega_moe as mega_moe
 
     from megamoe_plugin import serving
+    from megamoe_plugin.sglang_plugin.refusals import MegaMoEUnsupportedError
 
     x, ids, weights = routing(7)
     layers = [built_experts(seed) for seed in (3, 4)]
@@ -190,6 +197,8 @@ def test_the_blocks_shared_experts_run_inside_the_call(selected_on_sm90, num_sha
         assert experts.w13_weight.shape[0] == experts.w2_weight_scale_inv.shape[0] == NUM_EXPERTS + num_shared
         assert experts.mega_l1_weights[0].data_ptr() == experts.w13_weight.data_ptr()  # no second copy
         assert all(p.numel() == 0 for p in block.shared_experts.parameters())
+        with pytest.raises(MegaMoEUnsupportedError, match="in place"):  # nor the released MLP
+            block.shared_experts.down_proj.weight.weight_loader(block.shared_experts.down_proj.weight, x)
         # the warm-up knows the new weights only (no reference to the old storage is kept)
         registered = [w for layers_of_key in serving._layer_weights.values() for e, w in layers_of_key.items()
                       if e is experts]
