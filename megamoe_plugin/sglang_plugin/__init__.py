@@ -30,6 +30,10 @@ layer hooks adapted to its DeepSeek-V2-only mega-MoE forward (registration.SIGNA
 from __future__ import annotations
 
 BACKEND = "megamoe_sm90"
+# Where the functions the plugin hooks live in sglang (registration.SIGNATURES_*, layer.HOOKS*).
+MEGA_MOE = "sglang.srt.layers.moe.mega_moe."
+MEGA_MOE_SM90 = "sglang.srt.layers.moe.mega_moe_sm90."
+MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner."
 
 __all__ = ["BACKEND", "register"]
 

@@ -29,13 +29,11 @@ from typing import Optional
 import torch
 
 from .. import serving
-from . import refusals, shared_experts
+from . import MEGA_MOE, MEGA_MOE_SM90, MODEL_RUNNER, refusals, shared_experts
 from .resolution import selected_by, token_cap
 
 logger = logging.getLogger("megamoe_plugin.sglang")
 
-_SM90 = "sglang.srt.layers.moe.mega_moe_sm90."
-_MEGA = "sglang.srt.layers.moe.mega_moe."
 MARK = "_megamoe_plugin_weights"  # set on a FusedMoE whose weights are in the kernel layout
 
 
@@ -68,22 +66,26 @@ def build_weights(original, experts) -> None:
     executor = serving.get_executor()
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
     refusals.check_experts(experts, executor=executor, device_sm=_device_sm(), device_name=name)
-    w13, s13, w2, s2 = experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight, experts.w2_weight_scale_inv
-    (t13, ts13), (t2, ts2) = mm.transform_weights((w13.data, s13.data), (w2.data, s2.data))
-    # Rebind, never copy: the checkpoint-layout storages are released here.
-    w13.data, s13.data, w2.data, s2.data = t13, ts13, t2, ts2
-    experts.mega_l1_weights = (w13.data, s13.data)
-    experts.mega_l2_weights = (w2.data, s2.data)
+    l1, l2 = mm.transform_weights((experts.w13_weight.data, experts.w13_weight_scale_inv.data),
+                                  (experts.w2_weight.data, experts.w2_weight_scale_inv.data))
     # What SGLang's SM90 path reads (is_sm90_fp8_mega_moe_available, is_mega_moe_experts_ready).
     experts._mega_moe_sm90_fp8_weights = True
     experts._mega_moe_weights_built = True
     setattr(experts, MARK, True)
-    refusals.refuse_weight_updates((w13, s13, w2, s2))
-    _register(experts)
+    install_kernel_weights(experts, l1, l2)
     return None
 
 
-def _register(experts) -> None:
+def install_kernel_weights(experts, l1, l2) -> None:
+    """`experts`' four parameters rebound to kernel-layout weights l1 = (w13, scale), l2 = (w2,
+    scale): rebound, never copied, so the storages they held are released; SGLang's weight
+    updates refused on them; the layer registered for the warm-up with them."""
+    params = (experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight, experts.w2_weight_scale_inv)
+    for param, data in zip(params, (*l1, *l2)):
+        param.data = data
+    experts.mega_l1_weights = (params[0].data, params[1].data)
+    experts.mega_l2_weights = (params[2].data, params[3].data)
+    refusals.refuse_weight_updates(params)
     serving.register_layer_weights(_warmup_key(experts), experts, experts.mega_l1_weights, experts.mega_l2_weights)
 
 
@@ -95,7 +97,7 @@ def load_model(original, runner):
         blocks = [module for module in runner.model.modules()
                   if getattr(getattr(module, "experts", None), MARK, False)
                   and getattr(module, "shared_experts", None) is not None]
-        shared_experts.fold_model(blocks, token_cap(), _register)
+        shared_experts.fold_model(blocks, token_cap(), install_kernel_weights)
     return result
 
 
@@ -240,21 +242,20 @@ def forward_mega_moe(original, moe, hidden_states, forward_batch=None, input_ids
     return y
 
 
-_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner."
 HOOKS = {
-    _RUNNER + "load_model": load_model,
-    _SM90 + "build_sm90_mega_moe_experts_weights": build_weights,
-    _SM90 + "is_sm90_fp8_mega_moe_available": is_available,
-    _MEGA + "_get_mega_moe_symm_buffer": get_buffer,
-    _SM90 + "run_sm90_mega_routed": run_routed,
-    _MEGA + "forward_mega_moe": forward_mega_moe,
+    MODEL_RUNNER + "load_model": load_model,
+    MEGA_MOE_SM90 + "build_sm90_mega_moe_experts_weights": build_weights,
+    MEGA_MOE_SM90 + "is_sm90_fp8_mega_moe_available": is_available,
+    MEGA_MOE + "_get_mega_moe_symm_buffer": get_buffer,
+    MEGA_MOE_SM90 + "run_sm90_mega_routed": run_routed,
+    MEGA_MOE + "forward_mega_moe": forward_mega_moe,
 }
 HOOKS_0_5_17 = {
-    _RUNNER + "load_model": load_model,
-    _SM90 + "build_sm90_mega_moe_experts_weights": build_weights,
-    _SM90 + "is_sm90_fp8_mega_moe_available": is_available,
-    _MEGA + "_get_mega_moe_symm_buffer": get_buffer_0_5_17,
-    _SM90 + "run_sm90_mega_routed": run_routed_0_5_17,
-    _MEGA + "should_use_mega_moe": should_use_0_5_17,
-    _MEGA + "forward_mega_moe": forward_mega_moe,
+    MODEL_RUNNER + "load_model": load_model,
+    MEGA_MOE_SM90 + "build_sm90_mega_moe_experts_weights": build_weights,
+    MEGA_MOE_SM90 + "is_sm90_fp8_mega_moe_available": is_available,
+    MEGA_MOE + "_get_mega_moe_symm_buffer": get_buffer_0_5_17,
+    MEGA_MOE_SM90 + "run_sm90_mega_routed": run_routed_0_5_17,
+    MEGA_MOE + "should_use_mega_moe": should_use_0_5_17,
+    MEGA_MOE + "forward_mega_moe": forward_mega_moe,
 }

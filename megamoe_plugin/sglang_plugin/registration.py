@@ -15,28 +15,27 @@ import re
 import threading
 from typing import Callable, Dict, Optional, Tuple
 
-from . import BACKEND, refusals
+from . import BACKEND, MEGA_MOE, MEGA_MOE_SM90, MODEL_RUNNER, refusals
+from .resolution import SERVER_ARGS_POST_INIT
 
 logger = logging.getLogger("megamoe_plugin.sglang")
 
-_MOE = "sglang.srt.layers.moe."
 _ARGS = "sglang.srt.arg_groups."
-_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner."
 # Every SGLang function the plugin wraps or calls, with the parameters it was written for
 # (names, kinds and defaults; annotations are ignored), per line of sglang releases.
 #
 # 0.5.23 (and a later 0.5.x while these hold): the mega-MoE path takes the resolved layer
 # arguments, and argument resolution has named hooks (arg_groups.resolution_hooks).
 SIGNATURES_0_5_23: Dict[str, str] = {
-    _RUNNER + "load_model": "(self)",
-    _MOE + "mega_moe.forward_mega_moe": "(moe, hidden_states, forward_batch=None, input_ids_global=None)",
-    _MOE + "mega_moe._run_mega_routed": "(moe, hidden_states, forward_batch, input_ids_global, num_tokens)",
-    _MOE + "mega_moe_sm90.build_sm90_mega_moe_experts_weights": "(experts)",
-    _MOE + "mega_moe_sm90.is_sm90_fp8_mega_moe_available": "(experts)",
-    _MOE + "mega_moe_sm90.run_sm90_mega_routed":
+    MODEL_RUNNER + "load_model": "(self)",
+    MEGA_MOE + "forward_mega_moe": "(moe, hidden_states, forward_batch=None, input_ids_global=None)",
+    MEGA_MOE + "_run_mega_routed": "(moe, hidden_states, forward_batch, input_ids_global, num_tokens)",
+    MEGA_MOE_SM90 + "build_sm90_mega_moe_experts_weights": "(experts)",
+    MEGA_MOE_SM90 + "is_sm90_fp8_mega_moe_available": "(experts)",
+    MEGA_MOE_SM90 + "run_sm90_mega_routed":
         "(experts, hidden_states, topk_ids, topk_weights, buf, num_tokens, *, hidden_size, activation_clamp=None, "
         "routed_scaling_factor=1.0)",
-    _MOE + "mega_moe._get_mega_moe_symm_buffer":
+    MEGA_MOE + "_get_mega_moe_symm_buffer":
         "(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, num_shared_experts=0, "
         "*, mma_type, activation='swiglu')",
     _ARGS + "mega_moe_hook.handle_mega_moe": "(server_args)",
@@ -49,16 +48,16 @@ SIGNATURES_0_5_23: Dict[str, str] = {
 # "Which sglang releases"): the routed forward takes DeepSeek-V2's MoE block, the buffer has
 # no MMA type, and resolution has no hooks: the plugin wraps ServerArgs.__post_init__.
 SIGNATURES_0_5_17: Dict[str, str] = {
-    _RUNNER + "load_model": "(self)",
-    _MOE + "mega_moe.forward_mega_moe": "(moe, hidden_states, forward_batch=None, input_ids_global=None)",
-    _MOE + "mega_moe._run_mega_routed": "(moe, hidden_states, forward_batch, input_ids_global, num_tokens)",
-    _MOE + "mega_moe_sm90.build_sm90_mega_moe_experts_weights": "(experts)",
-    _MOE + "mega_moe_sm90.is_sm90_fp8_mega_moe_available": "(experts)",
-    _MOE + "mega_moe_sm90.run_sm90_mega_routed": "(moe, hidden_states, topk_ids, topk_weights, buf, num_tokens)",
-    _MOE + "mega_moe._get_mega_moe_symm_buffer":
+    MODEL_RUNNER + "load_model": "(self)",
+    MEGA_MOE + "forward_mega_moe": "(moe, hidden_states, forward_batch=None, input_ids_global=None)",
+    MEGA_MOE + "_run_mega_routed": "(moe, hidden_states, forward_batch, input_ids_global, num_tokens)",
+    MEGA_MOE_SM90 + "build_sm90_mega_moe_experts_weights": "(experts)",
+    MEGA_MOE_SM90 + "is_sm90_fp8_mega_moe_available": "(experts)",
+    MEGA_MOE_SM90 + "run_sm90_mega_routed": "(moe, hidden_states, topk_ids, topk_weights, buf, num_tokens)",
+    MEGA_MOE + "_get_mega_moe_symm_buffer":
         "(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden)",
-    _MOE + "mega_moe.should_use_mega_moe": "(moe, hidden_states)",
-    "sglang.srt.server_args.ServerArgs.__post_init__": "(self)",
+    MEGA_MOE + "should_use_mega_moe": "(moe, hidden_states)",
+    SERVER_ARGS_POST_INIT: "(self)",
     "sglang.srt.server_args.add_moe_runner_backend_choices": "(choices)",
 }
 # (first version, first version past it, signatures): the releases the plugin was written for.

@@ -84,26 +84,26 @@ def why_not(block, max_tokens: int) -> Optional[str]:
     return None
 
 
-def fold(block) -> None:
-    """Move one block's shared experts into its experts' kernel-layout weights (in place of the
-    parameters' data, as the weight build does) and release the MLP's storage."""
+Install = Callable[[object, tuple, tuple], None]  # layer.install_kernel_weights(experts, l1, l2)
+
+
+def fold(block, install: Install) -> None:
+    """Move one block's shared experts into its experts' kernel-layout weights (`install`s them as
+    the weight build does) and release the MLP's storage."""
     experts, mlp = block.experts, block.shared_experts
     _, _, intermediate = _routed_shape(experts)
-    (t13, ts13), (t2, ts2) = append_experts(experts.mega_l1_weights, experts.mega_l2_weights,
-                                            shared_mlp.as_experts(mlp, intermediate))
-    w13, s13, w2, s2 = experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight, experts.w2_weight_scale_inv
-    w13.data, s13.data, w2.data, s2.data = t13, ts13, t2, ts2
-    experts.mega_l1_weights = (w13.data, s13.data)
-    experts.mega_l2_weights = (w2.data, s2.data)
-    setattr(experts, IN_CALL, shared_mlp.num_experts(mlp, intermediate))
+    num = shared_mlp.num_experts(mlp, intermediate)
+    install(experts, *append_experts(experts.mega_l1_weights, experts.mega_l2_weights,
+                                     shared_mlp.as_experts(mlp, intermediate)))
+    setattr(experts, IN_CALL, num)
     shared_mlp.release(mlp)
     refuse_weight_updates(mlp.parameters())
 
 
-def fold_model(blocks: List, max_tokens: int, register: Callable[[object], None]) -> None:
+def fold_model(blocks: List, max_tokens: int, install: Install) -> None:
     """Run the shared experts of a model's MoE `blocks` (those whose experts hold the kernel layout
-    and that have shared experts) in their calls, all or none; `register(experts)` records a folded
-    layer's new weights for the warm-up. Raises where a model loaded earlier in this process with
+    and that have shared experts) in their calls, all or none; `install(experts, l1, l2)` gives a
+    folded layer its new weights. Raises where a model loaded earlier in this process with
     the same routed shape chose otherwise (the two would share one buffer)."""
     if not blocks:
         return
@@ -114,8 +114,8 @@ def fold_model(blocks: List, max_tokens: int, register: Callable[[object], None]
             reasons.setdefault(reason, type(block.shared_experts).__name__)
     wanted: Dict[Tuple[int, int, int], int] = {}
     for block in blocks:
-        num = 0 if reasons else shared_mlp.num_experts(block.shared_experts, _routed_shape(block.experts)[2])
         shape = _routed_shape(block.experts)
+        num = 0 if reasons else shared_mlp.num_experts(block.shared_experts, shape[2])
         if wanted.setdefault(shape, num) != num:
             reasons.setdefault(f"its layers of one routed shape have {wanted[shape]} and {num} shared experts",
                                type(block.shared_experts).__name__)
@@ -135,8 +135,7 @@ def fold_model(blocks: List, max_tokens: int, register: Callable[[object], None]
                                "call: %s", len(blocks), name, reason)
             return
         for block in blocks:
-            fold(block)
-            register(block.experts)
+            fold(block, install)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the routed experts' old storage, before SGLang measures free memory
     logger.info("megamoe_sm90: %d MoE layers run their shared experts (%s) inside the kernel's call as %s more "
