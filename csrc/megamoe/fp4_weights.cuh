@@ -43,13 +43,16 @@ __device__ __forceinline__ uint32_t fp4_e4m3_byte(int magnitude, int d) {
 }
 
 // The e4m3 bytes of the 8 E2M1 magnitudes times 2^d, magnitude i in byte i of {.x, .y}. For d >= -5
-// every result is normal: the d = 0 bytes with d added to their exponent fields.
+// (fp4_e4m3_table_normal, d in [-5, 6]) every result is normal: the d = 0 bytes with d added to their
+// exponent fields.
+__device__ __forceinline__ uint2 fp4_e4m3_table_normal(int d) {
+  // d = 0: 0, 0.5, 1, 1.5 -> 0x00, 0x30, 0x38, 0x3C; 2, 3, 4, 6 -> 0x40, 0x44, 0x48, 0x4C. No byte
+  // leaves [0, 0x7C] for d in [-5, 6], so the per-byte sums carry nothing into their neighbours.
+  return make_uint2(0x3C383000u + static_cast<uint32_t>(d * 0x08080800), 0x4C484440u + static_cast<uint32_t>(d * 0x08080808));
+}
+
 __device__ __forceinline__ uint2 fp4_e4m3_table(int d) {
-  if (d >= -5) {
-    // d = 0: 0, 0.5, 1, 1.5 -> 0x00, 0x30, 0x38, 0x3C; 2, 3, 4, 6 -> 0x40, 0x44, 0x48, 0x4C. No byte
-    // leaves [0, 0x7C] for d in [-5, 6], so the per-byte sums carry nothing into their neighbours.
-    return make_uint2(0x3C383000u + static_cast<uint32_t>(d * 0x08080800), 0x4C484440u + static_cast<uint32_t>(d * 0x08080808));
-  }
+  if (d >= -5) return fp4_e4m3_table_normal(d);
   uint32_t lo = 0, hi = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -69,26 +72,42 @@ __device__ __forceinline__ uint2 fp4_convert_word(uint32_t codes, uint2 table) {
 }
 
 // Converts weight row `row` (0..kBlockN) of a stage's packed tile and scales into `tile` (kBlockN x
-// 128 e4m3, 128B swizzle) and row_scales[row]. One thread per row.
-__device__ __forceinline__ void fp4_convert_row(const uint8_t* packed, const uint32_t* scale_codes, uint8_t* tile,
-                                                float* row_scales, int row) {
+// 128 e4m3, 128B swizzle) and row_scales[row]. One thread per row. The row's four 16-byte loads are
+// issued before any store (the compiler cannot move a load past a store that may alias it), and the
+// slow table path is one branch per row, taken only where a group lies more than 2^5 below the row's
+// largest: so the loads overlap and the 16 word conversions are independent of each other.
+__device__ __forceinline__ void fp4_convert_row(const uint8_t* __restrict__ packed,
+                                                const uint32_t* __restrict__ scale_codes, uint8_t* __restrict__ tile,
+                                                float* __restrict__ row_scales, int row) {
+  constexpr int kGroups = kBlockK / kFp4GroupSize;
   const uint32_t codes = scale_codes[row];
+  const uint8_t* src = packed + row * (kBlockK / 2);
+  uint4 in[kGroups];
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g)  // 64B swizzle: the row's 16-byte chunk g lies at chunk g ^ ((row >> 1) & 3)
+    in[g] = *reinterpret_cast<const uint4*>(src + 16 * (g ^ ((row >> 1) & 3)));
   const int s0 = codes & 0xFF, s1 = (codes >> 8) & 0xFF, s2 = (codes >> 16) & 0xFF, s3 = codes >> 24;
   const int m = max(max(s0, s1), max(s2, s3));
   // 2^(m - 133) by its bits (exponent field m - 6; a subnormal below m = 7), NaN for E8M0's NaN code 255.
   const int exponent = m - 127 - kFp4RowScaleShift;
   row_scales[row] = m == 255 ? __int_as_float(0x7FC00000)
                              : __int_as_float(exponent >= -126 ? (exponent + 127) << 23 : 1 << (exponent + 149));
-  const uint8_t* src = packed + row * (kBlockK / 2);
+  uint2 table[kGroups];
+  const int least = min(min(s0, s1), min(s2, s3)) - m + kFp4RowScaleShift;
+  if (least >= -5) {
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) table[g] = fp4_e4m3_table_normal(static_cast<int>((codes >> (8 * g)) & 0xFF) - m +
+                                                                       kFp4RowScaleShift);
+  } else {
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) table[g] = fp4_e4m3_table(static_cast<int>((codes >> (8 * g)) & 0xFF) - m +
+                                                                kFp4RowScaleShift);
+  }
   uint8_t* dst = tile + row * kBlockK;
 #pragma unroll
-  for (int g = 0; g < kBlockK / kFp4GroupSize; ++g) {
-    const int s = static_cast<int>((codes >> (8 * g)) & 0xFF);
-    const uint2 table = fp4_e4m3_table(s - m + kFp4RowScaleShift);
-    // 64B swizzle: the row's 16-byte chunk g lies at chunk g ^ ((row >> 1) & 3).
-    const uint4 in = *reinterpret_cast<const uint4*>(src + 16 * (g ^ ((row >> 1) & 3)));
-    const uint2 a = fp4_convert_word(in.x, table), b = fp4_convert_word(in.y, table);
-    const uint2 c = fp4_convert_word(in.z, table), e = fp4_convert_word(in.w, table);
+  for (int g = 0; g < kGroups; ++g) {
+    const uint2 a = fp4_convert_word(in[g].x, table[g]), b = fp4_convert_word(in[g].y, table[g]);
+    const uint2 c = fp4_convert_word(in[g].z, table[g]), e = fp4_convert_word(in[g].w, table[g]);
     // 128B swizzle: the row's 16-byte chunk j lies at chunk j ^ (row & 7); group g is chunks 2g, 2g + 1.
     *reinterpret_cast<uint4*>(dst + 16 * ((2 * g) ^ (row & 7))) = make_uint4(a.x, a.y, b.x, b.y);
     *reinterpret_cast<uint4*>(dst + 16 * ((2 * g + 1) ^ (row & 7))) = make_uint4(c.x, c.y, e.x, e.y);
