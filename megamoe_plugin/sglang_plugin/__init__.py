@@ -34,6 +34,7 @@ BACKEND = "megamoe_sm90"
 MEGA_MOE = "sglang.srt.layers.moe.mega_moe."
 MEGA_MOE_SM90 = "sglang.srt.layers.moe.mega_moe_sm90."
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner."
+WEIGHT_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater."
 
 __all__ = ["BACKEND", "register"]
 

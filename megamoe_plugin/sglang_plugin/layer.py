@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from .. import serving
-from . import MEGA_MOE, MEGA_MOE_SM90, MODEL_RUNNER, refusals, shared_experts
+from . import MEGA_MOE, MEGA_MOE_SM90, MODEL_RUNNER, WEIGHT_UPDATER, refusals, shared_experts
 from .resolution import selected_by, token_cap
 
 logger = logging.getLogger("megamoe_plugin.sglang")
@@ -244,6 +244,7 @@ def forward_mega_moe(original, moe, hidden_states, forward_batch=None, input_ids
 
 HOOKS = {
     MODEL_RUNNER + "load_model": load_model,
+    WEIGHT_UPDATER + "_model_load_weights_direct": refusals.load_weights_direct,
     MEGA_MOE_SM90 + "build_sm90_mega_moe_experts_weights": build_weights,
     MEGA_MOE_SM90 + "is_sm90_fp8_mega_moe_available": is_available,
     MEGA_MOE + "_get_mega_moe_symm_buffer": get_buffer,
@@ -252,6 +253,7 @@ HOOKS = {
 }
 HOOKS_0_5_17 = {
     MODEL_RUNNER + "load_model": load_model,
+    WEIGHT_UPDATER + "_model_load_weights_direct": refusals.load_weights_direct,
     MEGA_MOE_SM90 + "build_sm90_mega_moe_experts_weights": build_weights,
     MEGA_MOE_SM90 + "is_sm90_fp8_mega_moe_available": is_available,
     MEGA_MOE + "_get_mega_moe_symm_buffer": get_buffer_0_5_17,

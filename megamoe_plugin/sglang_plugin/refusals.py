@@ -56,6 +56,10 @@ def check_arguments(cfg) -> None:
         raise MegaMoEUnsupportedError(
             f"--moe-a2a-backend {a2a}: the kernel dispatches and combines tokens itself",
             "leave --moe-a2a-backend unset")
+    if getattr(cfg, "enable_eplb", False):
+        raise MegaMoEUnsupportedError(
+            "--enable-eplb: EPLB moves experts between ranks by copying their weights in the checkpoint's "
+            "layout, and the kernel holds them in its own", "drop --enable-eplb")
 
 
 # sglang 0.5.17's MLPSyncBatchInfo.all_gather, which every mega-MoE forward needs, builds its
@@ -142,6 +146,19 @@ def _refuse_weight_update(param, *args, **kwargs):
         "_distributed / _ipc): megamoe_sm90 holds them in its kernel's layout, with the shared experts inside "
         "them, so a checkpoint tensor written over them would be read wrong",
         "restart the server on the new checkpoint, or serve with another --moe-runner-backend")
+
+
+def load_weights_direct(original, model, named_tensors):
+    """SGLang's update_weights_from_tensor with load_format="direct" copies each tensor into its
+    parameter without the parameter's weight loader: refused by name where a parameter is one
+    whose loader refuses (refuse_weight_updates)."""
+    named_tensors = list(named_tensors)
+    params = dict(model.named_parameters())
+    for name, tensor in named_tensors:
+        param = params.get(name)
+        if getattr(param, "weight_loader", None) is _refuse_weight_update:
+            _refuse_weight_update(param, tensor)
+    return original(model, named_tensors)
 
 
 def refuse_weight_updates(params) -> None:

@@ -15,7 +15,7 @@ import re
 import threading
 from typing import Callable, Dict, Optional, Tuple
 
-from . import BACKEND, MEGA_MOE, MEGA_MOE_SM90, MODEL_RUNNER, refusals
+from . import BACKEND, MEGA_MOE, MEGA_MOE_SM90, MODEL_RUNNER, WEIGHT_UPDATER, refusals
 from .resolution import SERVER_ARGS_POST_INIT
 
 logger = logging.getLogger("megamoe_plugin.sglang")
@@ -28,6 +28,7 @@ _ARGS = "sglang.srt.arg_groups."
 # arguments, and argument resolution has named hooks (arg_groups.resolution_hooks).
 SIGNATURES_0_5_23: Dict[str, str] = {
     MODEL_RUNNER + "load_model": "(self)",
+    WEIGHT_UPDATER + "_model_load_weights_direct": "(model, named_tensors)",
     MEGA_MOE + "forward_mega_moe": "(moe, hidden_states, forward_batch=None, input_ids_global=None)",
     MEGA_MOE + "_run_mega_routed": "(moe, hidden_states, forward_batch, input_ids_global, num_tokens)",
     MEGA_MOE_SM90 + "build_sm90_mega_moe_experts_weights": "(experts)",
@@ -49,6 +50,7 @@ SIGNATURES_0_5_23: Dict[str, str] = {
 # no MMA type, and resolution has no hooks: the plugin wraps ServerArgs.__post_init__.
 SIGNATURES_0_5_17: Dict[str, str] = {
     MODEL_RUNNER + "load_model": "(self)",
+    WEIGHT_UPDATER + "_model_load_weights_direct": "(model, named_tensors)",
     MEGA_MOE + "forward_mega_moe": "(moe, hidden_states, forward_batch=None, input_ids_global=None)",
     MEGA_MOE + "_run_mega_routed": "(moe, hidden_states, forward_batch, input_ids_global, num_tokens)",
     MEGA_MOE_SM90 + "build_sm90_mega_moe_experts_weights": "(experts)",

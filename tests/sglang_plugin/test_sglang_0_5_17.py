@@ -48,7 +48,7 @@ def test_plugin_loads_through_the_entry_point_in_a_fresh_process():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["registered"] is True and got["problem"] is None
     assert got["choices"] == 1
-    assert len(got["targets"]) == 8 and set(got["targets"]) <= set(got["patched"])
+    assert len(got["targets"]) == 9 and set(got["targets"]) <= set(got["patched"])
     assert all(got["wrapped"].values()), got["wrapped"]
 
 
@@ -85,6 +85,7 @@ def test_the_flag_resolves_to_sglangs_mega_moe_path(registered):
      "a prefill chunk of 2048 tokens per rank, over the per-rank token cap 1024"),
     (("--chunked-prefill-size", "-1"), DEEPSEEK_FIXTURE_MODEL, "unbounded prefill (chunked prefill off)"),
     (("--moe-a2a-backend", "deepep"), DEEPSEEK_FIXTURE_MODEL, "--moe-a2a-backend deepep"),
+    (("--chunked-prefill-size", "1024", "--enable-eplb"), DEEPSEEK_FIXTURE_MODEL, "--enable-eplb: EPLB moves experts"),
 ])
 def test_what_0_5_17_cannot_serve_is_refused_at_resolution(registered, argv, model, message):
     from megamoe_plugin.sglang_plugin.refusals import MegaMoEUnsupportedError

@@ -67,6 +67,14 @@ def test_weights_are_transformed_in_place_and_the_forward_matches_the_contract(s
     for param in params:
         with pytest.raises(MegaMoEUnsupportedError, match="updating a MoE layer's expert weights in place"):
             param.weight_loader(param, param.data.clone(), "experts.w13_weight", shard_id="w1", expert_id=0)
+    # update_weights_from_tensor's "direct" format copies into the parameters without their loaders:
+    # refused by name too; other parameters still load that way.
+    from sglang.srt.model_executor.model_runner_components import weight_updater
+    with pytest.raises(MegaMoEUnsupportedError, match="updating a MoE layer's expert weights in place"):
+        weight_updater._model_load_weights_direct(experts, [("w2_weight", experts.w2_weight.data.clone())])
+    plain = torch.nn.Linear(2, 2, bias=False)
+    weight_updater._model_load_weights_direct(plain, [("weight", torch.ones(2, 2))])
+    assert torch.equal(plain.weight.data, torch.ones(2, 2))
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, HIDDEN, generator=g).bfloat16()

@@ -111,11 +111,15 @@ def test_sglangs_own_checks_run_on_the_resolved_path(registered):
         _resolve_mega_moe(_parse("--moe-runner-backend", BACKEND))
 
 
-def test_another_a2a_backend_is_refused(registered, sm90_platform):
+@pytest.mark.parametrize("argv, message", [
+    (("--moe-a2a-backend", "deepep"), "--moe-a2a-backend deepep.*leave --moe-a2a-backend unset"),
+    (("--enable-eplb",), "--enable-eplb: EPLB moves experts.*drop --enable-eplb"),
+])
+def test_arguments_the_kernel_cannot_take_are_refused(registered, sm90_platform, argv, message):
     from megamoe_plugin.sglang_plugin.refusals import MegaMoEUnsupportedError
 
-    with pytest.raises(MegaMoEUnsupportedError, match="--moe-a2a-backend deepep.*leave --moe-a2a-backend unset"):
-        _resolve_mega_moe(_parse("--moe-runner-backend", BACKEND, "--moe-a2a-backend", "deepep"))
+    with pytest.raises(MegaMoEUnsupportedError, match=message):
+        _resolve_mega_moe(_parse("--moe-runner-backend", BACKEND, *argv))
 
 
 def test_the_hooks_defer_to_sglang_when_not_selected(registered):
