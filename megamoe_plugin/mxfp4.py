@@ -52,6 +52,24 @@ def scale_bits(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     return scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
 
 
+def scale_bits_of_float(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
+    """The E8M0 codes (uint8) of float32 scales that hold E8M0 values (powers of two 2^-127..2^127, or
+    NaN), as SGLang stages MXFP4 experts' scales: exactly the float's exponent field. Anything else
+    raises a ValueError naming `name`."""
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32 here, got "
+                         f"{scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    bits = scale.view(torch.int32)
+    exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    # 2^-127 is float32's subnormal 0x00400000 (exponent field 0, E8M0 code 0); NaN has field 255.
+    exact = (bits >= 0) & (((exponent > 0) & (exponent < _E8M0_NAN) & (mantissa == 0)) | (bits == 0x00400000)
+                           | (exponent == _E8M0_NAN) & (mantissa != 0))
+    if not bool(exact.all()):
+        bad = scale[~exact].flatten()[:3].tolist()
+        raise ValueError(f"{name} must hold E8M0 values (powers of two 2^-127..2^127); it holds e.g. {bad}")
+    return exponent.to(torch.uint8)
+
+
 def scale_to_float(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     """E8M0 scales -> float32 2^(bits - 127) (exact; the NaN code gives NaN)."""
     bits = scale_bits(scale, name).to(torch.int32)

@@ -41,6 +41,16 @@ def test_scales_are_exact_powers_of_two_in_either_dtype():
         mxfp4.scale_to_float(torch.ones(2), "w13_scale")
 
 
+def test_float32_e8m0_values_give_back_their_codes_and_anything_else_is_named():
+    codes = torch.arange(0, 256, dtype=torch.uint8)  # 2^-127 (a float32 subnormal) .. 2^127, and NaN
+    assert torch.equal(mxfp4.scale_bits_of_float(mxfp4.scale_to_float(codes)), codes)
+    for bad in (3.0, 0.0, -2.0, float("inf")):
+        with pytest.raises(ValueError, match=rf"w13_scale must hold E8M0 values .* e\.g\. \[{bad}\]"):
+            mxfp4.scale_bits_of_float(torch.tensor([1.0, bad]), "w13_scale")
+    with pytest.raises(ValueError, match="w13_scale must be float32"):
+        mxfp4.scale_bits_of_float(codes, "w13_scale")
+
+
 def test_dequantization_is_vllms():
     vllm_moe = pytest.importorskip("vllm.model_executor.layers.fused_moe.flashinfer_moe_ep")
     gen = _gen(0)

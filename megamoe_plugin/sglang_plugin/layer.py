@@ -56,24 +56,57 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _check_unbuilt(experts) -> bool:
+    """Whether the layer's weights are still to be built; if so, the layer is checked
+    (refusals.check_experts), which raises where the kernel cannot take it."""
+    if getattr(experts, "_mega_moe_weights_built", False):
+        return False
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+    refusals.check_experts(experts, executor=serving.get_executor(), device_sm=_device_sm(), device_name=name)
+    return True
+
+
 def build_weights(original, experts) -> None:
     if not selected():
         return original(experts)
-    if getattr(experts, "_mega_moe_weights_built", False):
-        return None
-    import megamoe_plugin as mm
+    if _check_unbuilt(experts):
+        import megamoe_plugin as mm
 
-    executor = serving.get_executor()
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-    refusals.check_experts(experts, executor=executor, device_sm=_device_sm(), device_name=name)
-    l1, l2 = mm.transform_weights((experts.w13_weight.data, experts.w13_weight_scale_inv.data),
-                                  (experts.w2_weight.data, experts.w2_weight_scale_inv.data))
-    # What SGLang's SM90 path reads (is_sm90_fp8_mega_moe_available, is_mega_moe_experts_ready).
+        _built(experts, *mm.transform_weights((experts.w13_weight.data, experts.w13_weight_scale_inv.data),
+                                              (experts.w2_weight.data, experts.w2_weight_scale_inv.data)))
+    return None
+
+
+def build_mxfp4_weights(original, experts) -> None:
+    """SGLang's build of MXFP4 experts (DeepSeek-V4's routed experts, which its FP8 method hands the
+    mega-MoE path as packed E2M1 codes with their E8M0 scales staged as float32): the kernel's layout
+    instead of SGLang's SM100 one. In fast numerics the kernel reads them at 4 bits; in exact
+    numerics, which it does not run on MXFP4 weights, they become their exact FP8 128x128 blocks
+    (mxfp4.to_fp8_blocks, which names a block that does not fit), read at FP8 bandwidth."""
+    if not selected():
+        return original(experts)
+    if _check_unbuilt(experts):
+        import megamoe_plugin as mm
+        from megamoe_plugin.heuristics import implemented_block_m
+        from megamoe_plugin.mxfp4 import scale_bits_of_float, to_fp8_blocks
+        from megamoe_plugin.validation import resolve_numerics
+
+        pairs = [(getattr(experts, f"{stem}_weight").data.view(torch.uint8),
+                  scale_bits_of_float(getattr(experts, f"{stem}_weight_scale_inv").data, f"{stem}_weight_scale_inv"))
+                 for stem in ("w13", "w2")]
+        if not implemented_block_m(resolve_numerics(None), "mxfp4"):
+            pairs = [to_fp8_blocks(codes, scales) for codes, scales in pairs]
+        _built(experts, *mm.transform_weights(*pairs))
+    return None
+
+
+def _built(experts, l1, l2) -> None:
+    """`experts` marked built for SGLang's SM90 path (is_sm90_fp8_mega_moe_available,
+    is_mega_moe_experts_ready) and for the plugin, with kernel-layout weights l1, l2 installed."""
     experts._mega_moe_sm90_fp8_weights = True
     experts._mega_moe_weights_built = True
     setattr(experts, MARK, True)
     install_kernel_weights(experts, l1, l2)
-    return None
 
 
 def install_kernel_weights(experts, l1, l2) -> None:
@@ -244,6 +277,7 @@ def forward_mega_moe(original, moe, hidden_states, forward_batch=None, input_ids
 
 HOOKS = {
     MODEL_RUNNER + "load_model": load_model,
+    MEGA_MOE + "build_mega_moe_experts_weights": build_mxfp4_weights,
     WEIGHT_UPDATER + "_model_load_weights_direct": refusals.load_weights_direct,
     MEGA_MOE_SM90 + "build_sm90_mega_moe_experts_weights": build_weights,
     MEGA_MOE_SM90 + "is_sm90_fp8_mega_moe_available": is_available,

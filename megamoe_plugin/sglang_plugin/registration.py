@@ -32,6 +32,7 @@ SIGNATURES_0_5_23: Dict[str, str] = {
     MEGA_MOE + "forward_mega_moe": "(moe, hidden_states, forward_batch=None, input_ids_global=None)",
     MEGA_MOE + "_run_mega_routed": "(moe, hidden_states, forward_batch, input_ids_global, num_tokens)",
     MEGA_MOE_SM90 + "build_sm90_mega_moe_experts_weights": "(experts)",
+    MEGA_MOE + "build_mega_moe_experts_weights": "(experts)",
     MEGA_MOE_SM90 + "is_sm90_fp8_mega_moe_available": "(experts)",
     MEGA_MOE_SM90 + "run_sm90_mega_routed":
         "(experts, hidden_states, topk_ids, topk_weights, buf, num_tokens, *, hidden_size, activation_clamp=None, "

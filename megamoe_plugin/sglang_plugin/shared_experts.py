@@ -29,7 +29,7 @@ import torch
 
 from ..buffer import BufferShape
 from .. import shared_mlp
-from ..weights import append_experts
+from ..weights import append_experts, weight_format
 from .refusals import MegaMoEUnsupportedError, refuse_weight_updates
 
 logger = logging.getLogger("megamoe_plugin.sglang")
@@ -57,8 +57,7 @@ def num_in_call(experts) -> int:
 
 
 def _routed_shape(experts) -> Tuple[int, int, int]:
-    w2 = experts.mega_l2_weights[0]  # [E_l (+ S), H, I]
-    return shape_key(experts.num_experts, w2.shape[1], w2.shape[2])
+    return shape_key(experts.num_experts, int(experts.hidden_size), int(experts.intermediate_size_per_partition))
 
 
 def why_not(block, max_tokens: int) -> Optional[str]:
@@ -68,6 +67,8 @@ def why_not(block, max_tokens: int) -> Optional[str]:
     _, hidden, intermediate = _routed_shape(experts)
     if getattr(block, "num_fused_shared_experts", 0):
         return "SGLang routes them as fused shared experts in the top-k"
+    if weight_format(experts.mega_l1_weights[0]) != "fp8":
+        return "the routed experts are MXFP4 and the shared MLP FP8: one call reads one weight format"
     if getattr(experts.moe_runner_config, "swiglu_limit", None) is not None:
         return "the layer clamps the routed experts' SwiGLU (swiglu_limit), which the kernel would apply to them too"
     if getattr(mlp, "swiglu_limit", None) is not None:

@@ -1,6 +1,6 @@
-"""A stand-in for SGLang's FusedMoE with 128x128 block-FP8 experts, the MoE it must compute
-(torch, from the contract: docs/design.md section 2), and the SM90 setting of the layer tests,
-shared by the layer tests of every sglang line."""
+"""A stand-in for SGLang's FusedMoE with 128x128 block-FP8 experts (or MXFP4 ones, as SGLang stages
+DeepSeek-V4's), the MoE it must compute (torch, from the contract: docs/design.md section 2), and the
+SM90 setting of the layer tests, shared by the layer tests of every sglang line."""
 import contextlib
 
 import torch
@@ -12,11 +12,29 @@ from contract_oracle import dequant_blocks, quant_blocks, quant_dequant_rows
 CAP = 64  # SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK in the layer tests
 
 
+def _mxfp4(w):
+    """MXFP4 as SGLang's Fp8MoEMethod stages FP4 experts: int8 codes [N, K/2], float32 scales [N, K/32]."""
+    from megamoe_plugin.mxfp4 import quantize_mxfp4, scale_to_float
+
+    codes, scales = quantize_mxfp4(w)
+    return codes.view(torch.int8), scale_to_float(scales)
+
+
+def dequant(w, s):
+    """One expert's staged weight as float32: FP8 with 128x128 block scales, or MXFP4 (int8 codes)."""
+    if w.dtype == torch.int8:
+        from megamoe_plugin.mxfp4 import dequantize_mxfp4, scale_bits_of_float
+
+        return dequantize_mxfp4(w.view(torch.uint8), scale_bits_of_float(s))
+    return dequant_blocks(w, s)
+
+
 class Experts(torch.nn.Module):
     """The FusedMoE attributes SGLang's mega-MoE path and the plugin read, with the
-    checkpoint-layout parameters SGLang's Fp8MoEMethod creates for 128x128 blocks."""
+    checkpoint-layout parameters SGLang's Fp8MoEMethod creates for 128x128 blocks (or, with
+    mxfp4=True, for FP4 experts: _mxfp4)."""
 
-    def __init__(self, quant_config, seed=0):
+    def __init__(self, quant_config, seed=0, mxfp4=False):
         super().__init__()
         from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
 
@@ -26,11 +44,12 @@ class Experts(torch.nn.Module):
         self.moe_runner_config = MoeRunnerConfig(activation="silu", is_gated=True)
         self._mega_moe_nvfp4 = self._mega_moe_w4a4 = False  # FP8 experts (FusedMoE sets these at load)
         self.quant_method = type("Fp8MoEMethod", (), {"quant_config": quant_config})()
+        quant = _mxfp4 if mxfp4 else quant_blocks
         w13, s13, w2, s2 = [], [], [], []
         for _ in range(NUM_EXPERTS):
-            q, s = quant_blocks(torch.randn(2 * INTERMEDIATE, HIDDEN, generator=g) * 0.06)
+            q, s = quant(torch.randn(2 * INTERMEDIATE, HIDDEN, generator=g) * 0.06)
             w13.append(q), s13.append(s)
-            q, s = quant_blocks(torch.randn(HIDDEN, INTERMEDIATE, generator=g) * 0.06)
+            q, s = quant(torch.randn(HIDDEN, INTERMEDIATE, generator=g) * 0.06)
             w2.append(q), s2.append(s)
         for name, t in (("w13_weight", w13), ("w13_weight_scale_inv", s13), ("w2_weight", w2),
                         ("w2_weight_scale_inv", s2)):
@@ -44,10 +63,10 @@ def expected(x, ids, weights, w13, s13, w2, s2):
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            h = xq[t:t + 1] @ dequant_blocks(w13[e], s13[e]).T
+            h = xq[t:t + 1] @ dequant(w13[e], s13[e]).T
             act = F.silu(h[:, :INTERMEDIATE]) * h[:, INTERMEDIATE:]
             act = quant_dequant_rows(act.bfloat16().float())
-            out[t] += float(weights[t, j]) * (act @ dequant_blocks(w2[e], s2[e]).T)[0]
+            out[t] += float(weights[t, j]) * (act @ dequant(w2[e], s2[e]).T)[0]
     return out
 
 

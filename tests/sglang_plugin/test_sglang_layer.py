@@ -42,6 +42,23 @@ def selected_on_sm90(registered, monkeypatch):
         yield
 
 
+def assert_forward_matches(experts, ckpt, seed: int, routed_scaling_factor: float):
+    """Five tokens through SGLang's routed forward of the built layer, against the contract on the
+    checkpoint weights `ckpt` (w13, its scales, w2, its scales)."""
+    import sglang.srt.layers.moe.mega_moe as mega_moe
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, HIDDEN, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=g)[:TOPK] for _ in range(5)]).int()
+    weights = torch.rand(5, TOPK, generator=g)
+    y = mega_moe.run_mega_routed_experts(experts, x, ids, weights, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                                         top_k=TOPK, num_tokens=5, routed_scaling_factor=routed_scaling_factor)
+    assert y.shape == (5, HIDDEN) and y.dtype == torch.bfloat16
+    want = expected(x.float(), ids, routed_scaling_factor * weights, *ckpt)
+    rel = ((y.float() - want).norm() / want.norm()).item()
+    assert rel < 2e-2, rel
+
+
 def test_weights_are_transformed_in_place_and_the_forward_matches_the_contract(selected_on_sm90):
     import sglang.srt.layers.moe.mega_moe as mega_moe
     import sglang.srt.layers.moe.mega_moe_sm90 as sm90
@@ -76,20 +93,12 @@ def test_weights_are_transformed_in_place_and_the_forward_matches_the_contract(s
     weight_updater._model_load_weights_direct(plain, [("weight", torch.ones(2, 2))])
     assert torch.equal(plain.weight.data, torch.ones(2, 2))
 
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(5, HIDDEN, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=g)[:TOPK] for _ in range(5)]).int()
-    weights = torch.rand(5, TOPK, generator=g)
-    y = mega_moe.run_mega_routed_experts(experts, x, ids, weights, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                                         top_k=TOPK, num_tokens=5, routed_scaling_factor=2.0)
-    assert y.shape == (5, HIDDEN) and y.dtype == torch.bfloat16
-    want = expected(x.float(), ids, 2.0 * weights, *ckpt)
-    rel = ((y.float() - want).norm() / want.norm()).item()
-    assert rel < 2e-2, rel
+    assert_forward_matches(experts, ckpt, seed=1, routed_scaling_factor=2.0)
 
     # Zero local tokens still take part (every EP rank joins every step).
-    empty = mega_moe.run_mega_routed_experts(experts, x[:0], None, None, hidden_size=HIDDEN,
-                                             intermediate_size=INTERMEDIATE, top_k=TOPK, num_tokens=0)
+    empty = mega_moe.run_mega_routed_experts(experts, torch.zeros(0, HIDDEN).bfloat16(), None, None,
+                                             hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, top_k=TOPK,
+                                             num_tokens=0)
     assert empty.shape == (0, HIDDEN)
 
 
@@ -256,3 +265,44 @@ def test_two_models_of_one_routed_shape_must_agree(selected_on_sm90):
     with pytest.raises(MegaMoEUnsupportedError, match="this model runs 0 shared experts in the kernel's call and a "
                                                       "model loaded earlier .* runs 2"):
         load_model([Block(built_experts(5)[0], SharedMLP(2, seed=7, tp_size=2), ids, weights)])
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_mxfp4_experts_take_the_kernel_layout_and_the_forward_matches_the_contract(selected_on_sm90, monkeypatch,
+                                                                                   numerics):
+    """DeepSeek-V4's MXFP4 experts as SGLang's FP8 method hands them to the mega-MoE build (int8 codes,
+    float32 E8M0 values): the kernel's MXFP4 layout in fast numerics (read at 4 bits), their exact FP8
+    blocks in exact numerics; the forward against the contract on the dequantized MXFP4 weights."""
+    import sglang.srt.layers.moe.mega_moe as mega_moe
+
+    import megamoe_plugin as mm
+    from megamoe_plugin.mxfp4 import scale_bits_of_float, to_fp8_blocks
+    from megamoe_plugin.weights import weight_format
+
+    monkeypatch.setenv("MEGAMOE_NUMERICS", numerics)
+    experts = Experts(fp8_config(), mxfp4=True)
+    ckpt = [p.data.clone() for p in (experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight,
+                                     experts.w2_weight_scale_inv)]
+    mega_moe.build_mega_moe_experts_weights(experts)
+    pairs = [(ckpt[0].view(torch.uint8), scale_bits_of_float(ckpt[1])),
+             (ckpt[2].view(torch.uint8), scale_bits_of_float(ckpt[3]))]
+    if numerics == "exact":
+        pairs = [to_fp8_blocks(*pair) for pair in pairs]
+    for got, want in zip((*experts.mega_l1_weights, *experts.mega_l2_weights),
+                         (t for pair in mm.transform_weights(*pairs) for t in pair)):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == FP8 else got,
+                           want.view(torch.uint8) if want.dtype == FP8 else want)
+    assert weight_format(experts.mega_l1_weights[0]) == ("mxfp4" if numerics == "fast" else "fp8")
+    assert experts.mega_l1_weights[0].data_ptr() == experts.w13_weight.data_ptr()
+    assert mega_moe.is_mega_moe_experts_ready(experts)
+
+    assert_forward_matches(experts, ckpt, seed=2, routed_scaling_factor=1.5)
+
+
+def test_mxfp4_scales_that_are_not_e8m0_values_are_refused_by_name(selected_on_sm90):
+    import sglang.srt.layers.moe.mega_moe as mega_moe
+
+    experts = Experts(fp8_config(), mxfp4=True)
+    experts.w2_weight_scale_inv.data[0, 0, 0] = 3.0
+    with pytest.raises(ValueError, match=r"w2_weight_scale_inv must hold E8M0 values .* e\.g\. \[3\.0\]"):
+        mega_moe.build_mega_moe_experts_weights(experts)
