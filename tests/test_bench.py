@@ -21,6 +21,20 @@ def _run(*args, **env):
                           timeout=300, env={**os.environ, **env})
 
 
+def test_a_points_inputs_depend_on_its_rank_and_token_count_alone():
+    from megamoe_plugin.testing import random_inputs
+
+    def draw(rank, n):
+        return random_inputs(n, 256, 32, 8, "uniform", "cpu", cli.point_generator(rank, n, "cpu"))
+
+    first = draw(0, 8)
+    random_inputs(32, 256, 32, 8, "uniform", "cpu", cli.point_generator(0, 32, "cpu"))  # another point between
+    again = draw(0, 8)
+    assert all(torch.equal(first[key], again[key]) for key in first)
+    assert not torch.equal(draw(1, 8)["topk_idx"], first["topk_idx"])
+    assert not torch.equal(draw(0, 9)["topk_idx"][:8], first["topk_idx"])
+
+
 def test_help_explains_every_option():
     assert_help_describes(_run("--help"), cli.parser())
 

@@ -211,6 +211,15 @@ def _with_peer_bandwidth(ceilings, buf, measure, say):
         return ceilings
 
 
+def point_generator(rank: int, num_tokens: int, device: str):
+    """The generator of one point's inputs (hidden states and routing), seeded by the rank and the
+    token count alone: a point draws the same routing whatever else `--tokens` lists, so that its
+    time compares across runs (at decode the distinct experts a draw names set the weight bytes)."""
+    import torch
+
+    return torch.Generator(device=device).manual_seed((1000 + rank) * 1_000_003 + num_tokens)
+
+
 class _Timer:
     """One config's layer, buffer and timed calls on this rank."""
 
@@ -239,7 +248,8 @@ class _Timer:
     def inputs(self, n: int) -> Dict:
         from ..testing import random_inputs
 
-        return random_inputs(n, self.hidden, self.num_experts, self.topk, "uniform", "cuda", self.gen)
+        return random_inputs(n, self.hidden, self.num_experts, self.topk, "uniform", "cuda",
+                             point_generator(self.rank, n, "cuda"))
 
     def _before_call(self) -> None:
         self.flush()
