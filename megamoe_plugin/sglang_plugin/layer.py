@@ -85,6 +85,10 @@ def build_mxfp4_weights(original, experts) -> None:
     (mxfp4.to_fp8_blocks, which names a block that does not fit), read at FP8 bandwidth."""
     if not selected():
         return original(experts)
+    if getattr(experts, "_mega_moe_w4a4", False) or getattr(experts, "_mega_moe_nvfp4", False):
+        raise refusals.MegaMoEUnsupportedError(
+            "FP4 activations (--enable-w4a4-mxfp4-megamoe) or NVFP4 experts: the kernel multiplies FP8 activations "
+            "by FP8 or MXFP4 weights", "drop --enable-w4a4-mxfp4-megamoe, or serve FP8 or MXFP4 experts")
     if _check_unbuilt(experts):
         import megamoe_plugin as mm
         from megamoe_plugin.heuristics import implemented_block_m
@@ -163,7 +167,8 @@ def get_buffer(original, group, num_experts, num_max_tokens_per_rank, num_topk, 
         return original(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
                         num_shared_experts, mma_type=mma_type, activation=activation)
     if num_shared_experts or activation != "swiglu" or mma_type != "fp8xfp4":
-        # SGLang asks for these only on SM100 (FP4 experts, fused shared experts).
+        # SGLang asks for these only on SM100 (FP4 activations or NVFP4 experts, fused shared
+        # experts); "fp8xfp4" (FP8 activations) is what FP8 and MXFP4 experts both run here.
         raise refusals.MegaMoEUnsupportedError(
             f"a mega-MoE buffer with mma_type={mma_type!r}, activation={activation!r} and {num_shared_experts} "
             "fused shared experts: the kernel runs FP8 SwiGLU experts without shared experts",

@@ -306,3 +306,16 @@ def test_mxfp4_scales_that_are_not_e8m0_values_are_refused_by_name(selected_on_s
     experts.w2_weight_scale_inv.data[0, 0, 0] = 3.0
     with pytest.raises(ValueError, match=r"w2_weight_scale_inv must hold E8M0 values .* e\.g\. \[3\.0\]"):
         mega_moe.build_mega_moe_experts_weights(experts)
+
+
+@pytest.mark.parametrize("flag", ["_mega_moe_w4a4", "_mega_moe_nvfp4"])
+def test_fp4_activations_and_nvfp4_experts_are_refused_at_weight_build(selected_on_sm90, flag):
+    import sglang.srt.layers.moe.mega_moe as mega_moe
+
+    from megamoe_plugin.sglang_plugin.refusals import MegaMoEUnsupportedError
+
+    experts = Experts(fp8_config(), mxfp4=True)
+    setattr(experts, flag, True)
+    with pytest.raises(MegaMoEUnsupportedError, match="FP4 activations .* or NVFP4 experts.*drop --enable-w4a4"):
+        mega_moe.build_mega_moe_experts_weights(experts)
+    assert not getattr(experts, "_mega_moe_weights_built", False)
