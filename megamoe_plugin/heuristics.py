@@ -93,6 +93,13 @@ def implemented_block_m(numerics: Numerics, weights: str = "fp8") -> tuple:
     return tuple(tier.block_m for tier in TIERS if tier.exact or not exact)
 
 
+def kernel_weight_format(weights: str, numerics: Numerics) -> str:
+    """The format the kernel reads experts stored as `weights` in, in `numerics` mode: their own where
+    it implements tiers for it there, else FP8 (MXFP4 experts re-encoded as their exact 128x128
+    blocks, mxfp4.to_fp8_blocks)."""
+    return check_weight_format(weights) if implemented_block_m(numerics, weights) else "fp8"
+
+
 def runnable_block_m(block_m: int, fast_math: bool) -> int:
     """The tier a call runs for a chosen `block_m`: fast_math=False calls run the largest tier
     without rebalancing instead of the register-rebalanced one (Tier.rebalanced)."""

@@ -6,7 +6,7 @@ import torch
 
 from megamoe_plugin import abi
 from megamoe_plugin.buffer import BufferShape
-from megamoe_plugin.heuristics import default_num_stages, implemented_block_m
+from megamoe_plugin.heuristics import default_num_stages, implemented_block_m, kernel_weight_format
 from megamoe_plugin.jit.cli import parser
 from megamoe_plugin.jit.command import build_command
 from megamoe_plugin.kernel_variant import KernelVariant
@@ -57,6 +57,8 @@ def test_transformed_scales_of_another_layout_are_refused():
 def test_mxfp4_variants_run_the_tiers_up_to_64():
     assert implemented_block_m("fast", "mxfp4") == (8, 16, 32, 64)
     assert implemented_block_m("exact", "mxfp4") == ()
+    assert [kernel_weight_format(w, n) for w in ("mxfp4", "fp8") for n in ("fast", "exact")] == \
+        ["mxfp4", "fp8", "fp8", "fp8"]
     shape = BufferShape.of_routed(1, 32, 8192, 6, 4096, 2048)
     for tokens in (1, 8, 128, 8192):
         v = variant_for(shape, "NVIDIA H100 80GB HBM3", 132, tokens, True, "fast", weights="mxfp4")

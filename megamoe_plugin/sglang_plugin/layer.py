@@ -91,14 +91,14 @@ def build_mxfp4_weights(original, experts) -> None:
             "by FP8 or MXFP4 weights", "drop --enable-w4a4-mxfp4-megamoe, or serve FP8 or MXFP4 experts")
     if _check_unbuilt(experts):
         import megamoe_plugin as mm
-        from megamoe_plugin.heuristics import implemented_block_m
+        from megamoe_plugin.heuristics import kernel_weight_format
         from megamoe_plugin.mxfp4 import scale_bits_of_float, to_fp8_blocks
         from megamoe_plugin.validation import resolve_numerics
 
         pairs = [(getattr(experts, f"{stem}_weight").data.view(torch.uint8),
                   scale_bits_of_float(getattr(experts, f"{stem}_weight_scale_inv").data, f"{stem}_weight_scale_inv"))
                  for stem in ("w13", "w2")]
-        if not implemented_block_m(resolve_numerics(None), "mxfp4"):
+        if kernel_weight_format("mxfp4", resolve_numerics(None)) == "fp8":
             pairs = [to_fp8_blocks(codes, scales) for codes, scales in pairs]
         _built(experts, *mm.transform_weights(*pairs))
     return None

@@ -370,10 +370,10 @@ class MegaMoEMxfp4MoEMethod(MegaMoEFp8MoEMethod):
     @property
     def kernel_weights(self) -> str:
         """MXFP4 where the kernel runs them in the layer's numerics mode, else their FP8 blocks."""
-        from megamoe_plugin.heuristics import implemented_block_m
+        from megamoe_plugin.heuristics import kernel_weight_format
         from megamoe_plugin.validation import resolve_numerics
 
-        return "mxfp4" if implemented_block_m(resolve_numerics(self.runtime.numerics), "mxfp4") else "fp8"
+        return kernel_weight_format("mxfp4", resolve_numerics(self.runtime.numerics))
 
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
