@@ -44,6 +44,35 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return pairs.flatten(-2)
 
 
+# The kernel's order of the codes within each 32-bit word (8 elements; weights.py, transform_weights):
+# nibble n holds element n's three magnitude bits and, in its top bit, the sign of element
+# KERNEL_SIGN_OF_NIBBLE[n]. Elements 0-3's signs then sit at bits 7, 15, 23, 31, each at the top of
+# its e4m3 byte, and 4-7's four bits lower, so the kernel sets the signs of a word's 8 e4m3 bytes by
+# one mask and one shift (csrc/megamoe/fp4_weights.cuh, fp4_convert_word).
+KERNEL_SIGN_OF_NIBBLE = (4, 0, 5, 1, 6, 2, 7, 3)
+_NIBBLE_OF_SIGN = tuple(KERNEL_SIGN_OF_NIBBLE.index(element) for element in range(8))
+
+
+def _move_signs(packed: torch.Tensor, source_of: Tuple[int, ...]) -> torch.Tensor:
+    """Codes [..., K/2] (K a multiple of 8) with nibble n's sign bit taken from nibble source_of[n]
+    of its 32-bit word, the magnitudes in place."""
+    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1, 8)
+    signs = (nibbles >> 3)[..., list(source_of)]
+    moved = ((nibbles & 0x7) | (signs << 3)).reshape(*packed.shape[:-1], -1, 2)
+    return (moved[..., 0] | (moved[..., 1] << 4)).contiguous()
+
+
+def to_kernel_codes(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint codes [..., K/2] -> the kernel's order (KERNEL_SIGN_OF_NIBBLE): a bit permutation
+    within each 4-byte word."""
+    return _move_signs(packed, KERNEL_SIGN_OF_NIBBLE)
+
+
+def from_kernel_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of to_kernel_codes."""
+    return _move_signs(codes, _NIBBLE_OF_SIGN)
+
+
 def scale_bits(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     """The E8M0 codes of `scale` (torch.float8_e8m0fnu, or uint8 holding its bits) as uint8."""
     if not isinstance(scale, torch.Tensor) or scale.dtype not in SCALE_DTYPES:

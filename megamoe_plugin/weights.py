@@ -24,7 +24,8 @@ MXFP4 (`kernel_layout_shapes` gives every shape), in the kernel's tiles of 256 r
 by 128 inputs, each tile's k-block in one piece: its 16 KB of codes one sequential read (TMA), its
 1 KB of scales one bulk copy, both at the same tile index (csrc/megamoe/pipeline.cuh load_b):
     w13_t       uint8 [E_l, 2I/256, H/128, 256, 64]: [e, n, k] is the tile of (interleaved, as
-                above) rows [256n, 256n + 256) and inputs [128k, 128k + 128), row by row.
+                above) rows [256n, 256n + 256) and inputs [128k, 128k + 128), row by row, the
+                sign bits within each 4-byte word in the kernel's order (mxfp4.to_kernel_codes).
     w13_scale_t uint8 [E_l, 2I/256, H/128, 256, 4]: the same tiles of the rows' E8M0 codes.
     w2_t        uint8 [E_l, ceil(H/256), I/128, 256, 64]: the same tiles of w2's rows,
     w2_scale_t  uint8 [E_l, ceil(H/256), I/128, 256, 4]   and of their scales.
@@ -266,8 +267,9 @@ def transform_weights(l1: WeightPair, l2: WeightPair,
 
     if packed:
         per_row = abi.kFp4ScaleBytesPerRow
-        return ((_in_tiles(interleave(w13), BLOCK // 2), _in_tiles(interleave(mxfp4.scale_bits(w13_scale)), per_row)),
-                (_in_tiles(w2, BLOCK // 2), _in_tiles(mxfp4.scale_bits(w2_scale), per_row)))
+        return ((_in_tiles(interleave(mxfp4.to_kernel_codes(w13)), BLOCK // 2),
+                 _in_tiles(interleave(mxfp4.scale_bits(w13_scale)), per_row)),
+                (_in_tiles(mxfp4.to_kernel_codes(w2), BLOCK // 2), _in_tiles(mxfp4.scale_bits(w2_scale), per_row)))
     w13_t = interleave(w13)
     # [E, (gate|up), I/128, H/128] -> [E, I/128, (gate|up), H/128]
     w13_scale_t = (w13_scale.reshape(num_local_experts, 2, intermediate // BLOCK, hidden // BLOCK)
@@ -322,9 +324,9 @@ def untransform_weights(l1: WeightPair, l2: WeightPair) -> Tuple[WeightPair, Wei
                 .transpose(1, 2).reshape(num_local_experts, 2 * intermediate, columns).contiguous())
 
     if weight_format(w13_t) == "mxfp4":
-        return ((deinterleave(_from_tiles(w13_t, 2 * intermediate)),
+        return ((mxfp4.from_kernel_codes(deinterleave(_from_tiles(w13_t, 2 * intermediate))),
                  deinterleave(_from_tiles(w13_scale_t, 2 * intermediate))),
-                (_from_tiles(w2, hidden), _from_tiles(w2_scale, hidden)))
+                (mxfp4.from_kernel_codes(_from_tiles(w2, hidden)), _from_tiles(w2_scale, hidden)))
     w13 = deinterleave(w13_t)
     w13_scale = (w13_scale_t.transpose(1, 2)
                  .reshape(num_local_experts, 2 * intermediate // BLOCK, hidden // BLOCK).contiguous())

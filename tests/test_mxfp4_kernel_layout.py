@@ -11,7 +11,7 @@ from megamoe_plugin.jit.cli import parser
 from megamoe_plugin.jit.command import build_command
 from megamoe_plugin.kernel_variant import KernelVariant
 from megamoe_plugin.model_config import MoEShape
-from megamoe_plugin.mxfp4 import MXFP4_GROUP
+from megamoe_plugin.mxfp4 import MXFP4_GROUP, fold_rows, from_kernel_codes, to_kernel_codes
 from megamoe_plugin.variants import build_variants_for, variant_for
 from megamoe_plugin.weights import kernel_layout_shapes, transform_weights, untransform_weights
 
@@ -33,8 +33,8 @@ def test_transform_round_trip_and_layout(hidden, inter):
     for key, tensor in (("w13", w13_t), ("w13_scale", s13_t), ("w2", w2_t), ("w2_scale", s2_t)):
         assert tuple(tensor.shape) == shapes[key][0] and tensor.dtype == shapes[key][1], key
     # Interleaved row 11 is up row 3 (runs of 8 gate rows, then 8 up rows); in tile [e, 0, k] row 11,
-    # its bytes of k-block k; its k-block 1 scales are groups 4-7.
-    assert torch.equal(w13_t[1, 0, 1, 11], w13[1, inter + 3, 64:128])
+    # its bytes of k-block k (in the kernel's order of signs); its k-block 1 scales are groups 4-7.
+    assert torch.equal(w13_t[1, 0, 1, 11], to_kernel_codes(w13[1, inter + 3, 64:128]))
     assert torch.equal(s13_t[1, 0, 1, 11], s13[1, inter + 3, 4:8])
     assert torch.equal(s2_t[2, 0, 0, 5], s2[2, 5, 0:4])
     if hidden % 256:  # w2's rows past H in its last tile
@@ -94,3 +94,57 @@ def test_prebuilding_knows_the_weight_format():
     assert "--weights mxfp4" in build_command(4096, 2048, 256, 6, 8, weights="mxfp4")
     assert "--weights" not in build_command(4096, 2048, 256, 6, 8)
     assert parser().parse_args(["--build", "--weights", "mxfp4"]).weights == "mxfp4"
+
+
+def test_the_kernel_order_moves_only_sign_bits_within_words():
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 256, (5, 64), dtype=torch.uint8, generator=gen)
+    moved = to_kernel_codes(codes)
+    assert torch.equal(from_kernel_codes(moved), codes)
+    assert torch.equal(moved & 0x77, codes & 0x77)
+    words = codes.view(torch.int32).view(-1, 1) >> torch.arange(32, dtype=torch.int32) & 1
+    moved_words = moved.view(torch.int32).view(-1, 1) >> torch.arange(32, dtype=torch.int32) & 1
+    assert torch.equal(words.sum(dim=1), moved_words.sum(dim=1))  # the same bits, moved within a word
+    # Element 0's sign (bit 3 of the word) is bit 7 in the kernel's order; element 4's (bit 19) is bit 3.
+    one = torch.tensor([0x08, 0, 0, 0], dtype=torch.uint8)
+    assert to_kernel_codes(one).tolist() == [0x80, 0, 0, 0]
+    assert to_kernel_codes(torch.tensor([0, 0, 0x08, 0], dtype=torch.uint8)).tolist() == [0x08, 0, 0, 0]
+
+
+def _byte_perm(a: int, b: int, selector: int) -> int:
+    """CUDA's __byte_perm (PRMT, default mode): byte i of the result is byte (nibble i & 7) of {b:a},
+    or that byte's sign replicated where nibble i & 8."""
+    source = a | b << 32
+    result = 0
+    for i in range(4):
+        nibble = selector >> 4 * i & 0xF
+        byte = source >> 8 * (nibble & 7) & 0xFF
+        if nibble & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        result |= byte << 8 * i
+    return result
+
+
+def test_the_kernel_word_conversion_on_the_kernel_order_gives_the_folded_e4m3_bytes():
+    """fp4_convert_word and fp4_e4m3_table_normal (csrc/megamoe/fp4_weights.cuh) written out on the
+    codes transform_weights makes: each row's k-block equals mxfp4.fold_rows' e4m3 bytes. (The GPU
+    suite checks the kernel itself.)"""
+    gen = torch.Generator().manual_seed(11)
+    rows = 64
+    codes = torch.randint(0, 256, (rows, 64), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(120, 132, (rows, 4), dtype=torch.uint8, generator=gen)  # spans <= 2^11: the normal table
+    want = fold_rows(codes, scales)[0].view(torch.uint8)
+    words = to_kernel_codes(codes).view(torch.int32).tolist()
+    mask = 0xFFFFFFFF
+    for row in range(rows):
+        top = int(scales[row].max())
+        got = []
+        for w, word in enumerate(words[row]):
+            word &= mask
+            d = int(scales[row, w // 4]) - top + 6
+            table = ((0x3C383000 + d * 0x08080800) & mask, (0x4C484440 + d * 0x08080808) & mask)
+            magnitudes = word & 0x77777777
+            low = _byte_perm(*table, magnitudes) | (word & 0x80808080)
+            high = _byte_perm(*table, magnitudes >> 16) | ((word << 4) & 0x80808080)
+            got += [low >> 8 * i & 0xFF for i in range(4)] + [high >> 8 * i & 0xFF for i in range(4)]
+        assert got == want[row].tolist(), row

@@ -62,13 +62,16 @@ __device__ __forceinline__ uint2 fp4_e4m3_table(int d) {
   return make_uint2(lo, hi);
 }
 
-// 8 E2M1 codes (element k in nibble k: the low nibble of a byte first) -> 8 e4m3 bytes by `table`:
-// elements 0-3 in .x, 4-7 in .y.
+// One 32-bit word of a row's codes, 8 elements in the kernel's order (megamoe_plugin/mxfp4.py
+// KERNEL_SIGN_OF_NIBBLE: nibble k holds element k's magnitude; the signs of elements 0-3 are bits 7,
+// 15, 23, 31 and those of 4-7 bits 3, 11, 19, 27) -> 8 e4m3 bytes by `table`: elements 0-3 in .x,
+// 4-7 in .y. Seven integer operations: a mask, two byte-permutes of the table (the second after a
+// shift: a permute reads the selector's low 16 bits), and the signs merged by two LOP3s, one after a
+// shift by 4.
 __device__ __forceinline__ uint2 fp4_convert_word(uint32_t codes, uint2 table) {
   const uint32_t magnitudes = codes & 0x77777777u;
-  const uint32_t negative = (codes >> 3) & 0x11111111u;  // per nibble 1 = negative: byte 1 of 0x8000
-  return make_uint2(__byte_perm(table.x, table.y, magnitudes) | __byte_perm(0x8000u, 0u, negative),
-                    __byte_perm(table.x, table.y, magnitudes >> 16) | __byte_perm(0x8000u, 0u, negative >> 16));
+  return make_uint2(__byte_perm(table.x, table.y, magnitudes) | (codes & 0x80808080u),
+                    __byte_perm(table.x, table.y, magnitudes >> 16) | ((codes << 4) & 0x80808080u));
 }
 
 // Converts weight row `row` (0..kBlockN) of a stage's packed tile and scales into `tile` (kBlockN x
