@@ -1,6 +1,8 @@
-"""Progress for the long steps (compiling kernel variants, the tuning sweep): tqdm's bar
-when tqdm is installed, else a line on stderr at every tenth of the work, so that a step
-of minutes is never silent. Standard library only: tqdm is optional."""
+"""Progress for the long steps (compiling kernel variants, the tuning sweep, the benchmark's
+points): tqdm's bar where stderr is a terminal and tqdm is installed, else a line on stderr at
+every tenth of the work, so that a step of minutes is never silent and a log file (or a pipe)
+gets whole lines, not a bar redrawn with carriage returns in the middle of stdout's lines.
+Standard library only: tqdm is optional."""
 from __future__ import annotations
 
 import sys
@@ -36,7 +38,10 @@ class _Lines:
 
 
 def progress_bar(total: int, desc: str, unit: str):
-    """A tqdm bar over `total` units, or the stderr fallback when tqdm is missing."""
+    """A tqdm bar over `total` units on a terminal, else (stderr redirected, or no tqdm) the
+    line-per-tenth fallback."""
+    if not sys.stderr.isatty():
+        return _Lines(total, desc, unit)
     try:
         from tqdm import tqdm
     except ImportError:

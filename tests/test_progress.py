@@ -1,11 +1,30 @@
-"""Progress without tqdm: a line per tenth of the work on stderr."""
+"""Progress without tqdm or without a terminal: a line per tenth of the work on stderr."""
 import sys
+
+import pytest
 
 from megamoe_plugin import progress
 
 
+class _Terminal:
+    """stderr as a terminal (pytest's capture is none)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        return self.stream.write(text)
+
+    def flush(self):
+        self.stream.flush()
+
+
 def test_without_tqdm_prints_a_line_per_tenth(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    monkeypatch.setattr(sys, "stderr", _Terminal(sys.stderr))
     bar = progress.progress_bar(20, "compiling", "variant")
     assert isinstance(bar, progress._Lines)
     bar.set_postfix_str("v3")
@@ -22,3 +41,13 @@ def test_an_empty_step_reports_once(monkeypatch, capsys):
     bar.update(0)
     bar.update(0)
     assert capsys.readouterr().err == "compiling: 0/0 variants\n"
+
+
+def test_a_redirected_stderr_gets_lines_not_a_bar(monkeypatch, capsys):
+    """Where stderr is a file or a pipe (a log), tqdm's carriage-return bar would land in the middle of
+    stdout's result lines: the lines instead, tqdm installed or not."""
+    pytest.importorskip("tqdm")
+    bar = progress.progress_bar(4, "points", "point")
+    assert isinstance(bar, progress._Lines)
+    monkeypatch.setattr(sys, "stderr", _Terminal(sys.stderr))
+    assert not isinstance(progress.progress_bar(4, "points", "point"), progress._Lines)
