@@ -35,13 +35,23 @@ def _codes_to_float(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((codes & 0x8) != 0, -magnitude, magnitude)
 
 
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> the codes, uint8 [..., K]: the low nibble of byte j is element 2j, the high
+    one 2j+1."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of _nibbles: codes uint8 [..., K] (each < 16) -> [..., K/2]."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., K/2] -> float32 [..., K]: the low nibble of byte j is element 2j, the high one 2j+1."""
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
         raise ValueError(f"packed E2M1 codes must be a torch.uint8 tensor, got "
                          f"{packed.dtype if isinstance(packed, torch.Tensor) else type(packed).__name__}")
-    pairs = torch.stack([_codes_to_float(packed & 0x0F), _codes_to_float(packed >> 4)], dim=-1)
-    return pairs.flatten(-2)
+    return _codes_to_float(_nibbles(packed))
 
 
 # The kernel's order of the codes within each 32-bit word (8 elements; weights.py, transform_weights):
@@ -56,10 +66,9 @@ _NIBBLE_OF_SIGN = tuple(KERNEL_SIGN_OF_NIBBLE.index(element) for element in rang
 def _move_signs(packed: torch.Tensor, source_of: Tuple[int, ...]) -> torch.Tensor:
     """Codes [..., K/2] (K a multiple of 8) with nibble n's sign bit taken from nibble source_of[n]
     of its 32-bit word, the magnitudes in place."""
-    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1, 8)
-    signs = (nibbles >> 3)[..., list(source_of)]
-    moved = ((nibbles & 0x7) | (signs << 3)).reshape(*packed.shape[:-1], -1, 2)
-    return (moved[..., 0] | (moved[..., 1] << 4)).contiguous()
+    words = _nibbles(packed).reshape(*packed.shape[:-1], -1, 8)
+    moved = (words & 0x7) | ((words >> 3)[..., list(source_of)] << 3)
+    return _pack(moved.flatten(-2)).contiguous()
 
 
 def to_kernel_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -148,7 +157,7 @@ def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     tie_up = (distance.gather(-1, (index + 1).clamp(max=7).unsqueeze(-1)).squeeze(-1)
               == distance.gather(-1, index.unsqueeze(-1)).squeeze(-1)) & (index % 2 == 1) & (index < 7)
     codes = ((index + tie_up.long()) | torch.where(scaled < 0, 8, 0)).to(torch.uint8).flatten(-2)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    packed = _pack(codes)
     scale = (exponent + _E8M0_BIAS).to(torch.uint8)
     return packed, scale.view(SCALE_DTYPES[0])  # as uint8 bits where torch lacks float8_e8m0fnu
 
