@@ -68,7 +68,8 @@ setup(
         # pytest-timeout: tools/gpu_check.sh bounds each GPU test with --timeout.
         # matplotlib: the benchmark's plot (tests/test_bench.py draws one from fake timings).
         "test": ["pytest>=7", "pytest-timeout>=2", "pybind11>=2.10", "setuptools>=64", "wheel", "matplotlib"],
-        "bench": ["matplotlib", "tqdm"],  # megamoe-bench's plot and progress bar (both optional)
+        # megamoe-bench's plot, progress bar and SM clock sampling (timing.GpuClockSampler); all optional.
+        "bench": ["matplotlib", "tqdm", "nvidia-ml-py"],
         "vllm": ["vllm>=0.24"],
         # Its own environment: sglang and vllm pin different torch versions (docs/sglang.md).
         # 0.5.17 or 0.5.23 and later 0.5.x (sglang_plugin/registration.py); pip picks the newest.

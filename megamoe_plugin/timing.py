@@ -6,7 +6,8 @@ compare.
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Optional
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -39,22 +40,91 @@ def median_call_seconds(fn: Callable[[], object], iters: int, before: Optional[C
     return statistics.median(times)
 
 
-# SM cycles of the clock probe: about a millisecond at Hopper's clocks, so that the probe's launch
-# (a few microseconds) is under 1% of what it times.
-CLOCK_PROBE_CYCLES = 2_000_000
+# How often GpuClockSampler reads NVML: a few readings across a decode cell's calls, while the
+# sampling thread's few microseconds of the GIL per reading stay rare beside the timed launches.
+CLOCK_SAMPLE_PERIOD_S = 0.005
+
+# NVML's clock-event reasons that mean a limit held the SM clock down, and the letter each prints as.
+CLOCK_LIMIT_LETTERS = (("P", 0x04),  # software power cap: the board's power limit
+                       ("S", 0x08),  # hardware slowdown (power brake or overheating, hardware-signalled)
+                       ("T", 0x20 | 0x40),  # software or hardware thermal slowdown
+                       ("B", 0x80))  # external power brake
 
 
-def sm_clock_mhz() -> float:
-    """The SM clock the GPU runs at now, in MHz: a kernel that spins a known number of SM cycles
-    (torch.cuda._sleep), timed between CUDA events. Power and thermal limits lower the clock under
-    a heavy load, so a benchmark prints it beside each time: a cell that moves between runs at one
-    clock is not moving for the clock's sake."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(CLOCK_PROBE_CYCLES)
-    end.record()
-    end.synchronize()
-    return CLOCK_PROBE_CYCLES / (start.elapsed_time(end) * 1e3)  # cycles per microsecond
+class GpuClockSampler:
+    """The SM clock, board power and clock limits of the current GPU, read through NVML
+    (nvidia-ml-py) on a thread while the calls being timed run. A cell that moves between runs
+    at the same clock, with no limit engaged, is not moving for the clock's sake; a clock read
+    after the calls (when the load has stopped and the clock recovers) cannot tell that.
+
+        with GpuClockSampler() as clock:
+            t = median_call_seconds(...)
+        clock.summary()  # {"sm_mhz": median, "sm_mhz_min": lowest, "power_w": highest, "limits": "P"}
+
+    Without nvidia-ml-py, or where NVML does not answer, `available` is False and the summary's
+    values are None."""
+
+    def __init__(self, period_s: float = CLOCK_SAMPLE_PERIOD_S):
+        self.period_s = period_s
+        self.samples: List[Tuple[int, float, int]] = []  # (SM MHz, board W, clock-event reasons)
+        self._handle = None
+        self._nvml = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByUUID(_nvml_uuid(torch.cuda.current_device()))
+            self._nvml = pynvml
+        except Exception:  # no nvidia-ml-py, no NVML library, or a device NVML does not list
+            pass
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def available(self) -> bool:
+        return self._nvml is not None
+
+    def _read(self) -> None:
+        nvml, h = self._nvml, self._handle
+        self.samples.append((nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),
+                             nvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                             nvml.nvmlDeviceGetCurrentClocksEventReasons(h)))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._read()
+
+    def __enter__(self) -> "GpuClockSampler":
+        if self.available:
+            self.samples.clear()
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="megamoe-clock-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            if not self.samples:  # calls shorter than one period: the state they left
+                self._read()
+
+    def summary(self) -> Dict[str, Optional[object]]:
+        if not self.samples:
+            return dict(sm_mhz=None, sm_mhz_min=None, power_w=None, limits=None)
+        reasons = 0
+        for _, _, r in self.samples:
+            reasons |= r
+        return dict(sm_mhz=statistics.median(s[0] for s in self.samples),
+                    sm_mhz_min=min(s[0] for s in self.samples),
+                    power_w=max(s[1] for s in self.samples),
+                    limits="".join(letter for letter, bits in CLOCK_LIMIT_LETTERS if reasons & bits) or "-")
+
+
+def _nvml_uuid(device: int) -> str:
+    """NVML's name of torch's device `device` (NVML numbers GPUs regardless of CUDA_VISIBLE_DEVICES)."""
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
 
 
 def l2_flusher(device="cuda") -> Callable[[], None]:

@@ -140,8 +140,12 @@ def test_rows_line_up_with_the_header():
     line = report.row(first)
     assert len(line) == len(report.header())
     # The last column, NVLink MB per call, is "-" on one rank.
-    assert line.split() == ["v3", "fast", "1", "200.0", "5.0", "120.0", "1.67", "-", "220.0", "600.0", "2.73", "-"]
-    assert report.row(dict(first, sm_mhz=1755.4)).split()[7] == "1755"
+    assert line.split() == ["v3", "fast", "1", "200.0", "5.0", "120.0", "1.67", "-", "-", "-", "-", "220.0", "600.0",
+                            "2.73", "-"]
+    clocked = report.point("v3", "fast", 1, 200e-6, int(1e9), 120e-6, 220e-6, None,
+                           clock=dict(sm_mhz=1755.4, sm_mhz_min=1410.0, power_w=612.3, limits="P"))
+    assert report.row(clocked).split()[7:11] == ["1755", "1410", "612", "P"]
+    assert len(report.row(clocked)) == len(report.header())
     assert report.row(dict(first, baseline_us=None, speedup=None)).split()[-3:] == ["-", "-", "-"]
 
 

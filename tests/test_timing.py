@@ -1,4 +1,9 @@
-"""The shared timing helpers, with the CUDA-event timer replaced (no GPU here)."""
+"""The shared timing helpers, with the CUDA-event timer and NVML replaced (no GPU here)."""
+import statistics
+import sys
+import time
+import types
+
 from megamoe_plugin import timing
 
 
@@ -16,3 +21,67 @@ def test_median_call_seconds_drops_the_warm_up_and_runs_before_each_call(monkeyp
     median = timing.median_call_seconds(lambda: calls.append("call"), 3, lambda: calls.append("before"))
     assert median == 2.0
     assert calls == ["before", "call"] * 4
+
+
+def _fake_nvml(monkeypatch, readings, uuids):
+    """A stand-in pynvml whose device answers `readings` (SM MHz, mW, clock-event reasons) in turn,
+    repeating the last, and knows only the GPUs named in `uuids`."""
+    readings = list(readings)
+    state = dict(i=0)
+
+    def reading():
+        return readings[min(state["i"], len(readings) - 1)]
+
+    def clock(handle, kind):
+        assert handle == "handle" and kind == nvml.NVML_CLOCK_SM
+        return reading()[0]
+
+    def reasons(handle):
+        r = reading()[2]
+        state["i"] += 1  # the last of the three reads of one sample
+        return r
+
+    def by_uuid(uuid):
+        if uuid not in uuids:
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")
+        return "handle"
+
+    nvml = types.SimpleNamespace(NVML_CLOCK_SM=1, nvmlInit=lambda: None, nvmlDeviceGetHandleByUUID=by_uuid,
+                                 nvmlDeviceGetClockInfo=clock, nvmlDeviceGetPowerUsage=lambda h: reading()[1],
+                                 nvmlDeviceGetCurrentClocksEventReasons=reasons)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(timing.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(timing.torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(uuid="1234-abcd"))
+
+
+def test_clock_sampler_reports_the_readings_taken_while_the_calls_ran(monkeypatch):
+    _fake_nvml(monkeypatch, [(1980, 400_000, 0), (1500, 700_000, 0x4), (1700, 650_000, 0x20)] * 3 + [(1755, 500_000, 0)],
+               {"GPU-1234-abcd"})
+    sampler = timing.GpuClockSampler(period_s=0.001)
+    assert sampler.available
+    with sampler:
+        deadline = time.monotonic() + 5
+        while len(sampler.samples) < 12 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    taken = list(sampler.samples)
+    assert len(taken) >= 12
+    s = sampler.summary()
+    assert s["sm_mhz_min"] == 1500 and s["power_w"] == 700.0
+    assert s["limits"] == "PT"  # a power cap and a thermal slowdown, each seen once at least
+    assert s["sm_mhz"] == statistics.median(m for m, _, _ in taken)
+    # A second use starts afresh: only its own readings count.
+    with sampler:
+        pass
+    assert len(sampler.samples) >= 1 and sampler.summary()["limits"] == "-"
+
+
+def test_clock_sampler_without_nvml_reports_nothing(monkeypatch):
+    _fake_nvml(monkeypatch, [(1980, 400_000, 0)], uuids=set())  # NVML does not list this GPU
+    sampler = timing.GpuClockSampler()
+    assert not sampler.available
+    with sampler:
+        pass
+    assert sampler.summary() == dict(sm_mhz=None, sm_mhz_min=None, power_w=None, limits=None)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # nvidia-ml-py not installed: import fails
+    assert not timing.GpuClockSampler().available

@@ -149,11 +149,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     from . import report
     from .baselines import make_baseline
     from .floors import Ceilings, measure_fp8_rate, measure_hbm_bandwidth, measure_peer_bandwidth
+    from ..timing import GpuClockSampler
 
     rank, num_ranks, group = init_world()
     say = print if rank == 0 else (lambda *a, **k: None)
     ceilings = Ceilings(measure_hbm_bandwidth(), measure_fp8_rate())
     gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
+    clock = GpuClockSampler()
+    if not clock.available:
+        say("the SM clock is not sampled (no nvidia-ml-py, or NVML does not see this GPU): "
+            "pip install nvidia-ml-py for the sm_MHz, min_MHz, max_W and limit columns")
     progress = progress_bar(len(configs) * len(tokens_list) * len(numerics_modes), "megamoe-bench", "point") \
         if rank == 0 else None
     results = dict(device=torch.cuda.get_device_name(), num_ranks=num_ranks, fast_math=args.fast_math,
@@ -164,7 +169,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             sys.exit(f"{PROG}: {name}'s {num_experts} experts do not divide over {num_ranks} ranks")
         local_experts = num_experts // num_ranks
         timer = _Timer(args, ceilings, group, rank, num_ranks, name, hidden, inter, topk, num_experts, local_experts,
-                       max(tokens_list), gen)
+                       max(tokens_list), gen, clock)
         if index == 0:
             if num_ranks > 1:
                 ceilings = timer.ceilings = _with_peer_bandwidth(ceilings, timer.buf, measure_peer_bandwidth, say)
@@ -224,7 +229,7 @@ class _Timer:
     """One config's layer, buffer and timed calls on this rank."""
 
     def __init__(self, args, ceilings, group, rank, num_ranks, name, hidden, inter, topk, num_experts,
-                 local_experts, max_tokens, gen):
+                 local_experts, max_tokens, gen, clock):
         import torch
 
         import megamoe_plugin as mm
@@ -235,7 +240,7 @@ class _Timer:
         self.name = f"{name}+s{args.shared_experts}" if args.shared_experts else name
         self.name += WEIGHT_NAME_SUFFIX[args.weights]
         self.hidden, self.inter, self.topk = hidden, inter, topk
-        self.num_experts, self.local_experts, self.gen = num_experts, local_experts, gen
+        self.num_experts, self.local_experts, self.gen, self.clock = num_experts, local_experts, gen, clock
         self.layer = random_layer_of(args.weights)(local_experts, hidden, inter, "cuda", gen)
         self.buf = mm.get_symm_buffer(group, num_experts, max_tokens, topk, hidden, inter,
                                       num_shared_experts=args.shared_experts)
@@ -277,7 +282,6 @@ class _Timer:
 
         import megamoe_plugin as mm
         from . import report
-        from ..timing import sm_clock_mhz
         from .floors import WEIGHT_BYTES_PER_ELEMENT, rank_floor
 
         n = inputs["x"].shape[0]
@@ -295,8 +299,9 @@ class _Timer:
         stage()
         # The slots as the kernel sees them (shared experts' included): what the floor counts.
         kernel_idx = self.buf.topk_idx[:n].cpu()
-        t = self._slowest(self.median(kernel))
-        sm_mhz = sm_clock_mhz()  # the clock those calls left: what a power or thermal limit holds it at
+        with self.clock:  # the clock, power and limits while the kernel's timed calls run
+            t = self.median(kernel)
+        t = self._slowest(t)
         t_e2e = self._slowest(self.median(from_bf16))
         all_idx = [kernel_idx]
         if self.group is not None:
@@ -308,7 +313,7 @@ class _Timer:
                                                 self.ceilings, self.buf.shape.num_local_experts,
                                                 WEIGHT_BYTES_PER_ELEMENT[self.args.weights])
         return report.point(self.name, numerics, n, t, flops, floor, t_e2e, t_base,
-                            nvlink_bytes if self.num_ranks > 1 else None, sm_mhz)
+                            nvlink_bytes if self.num_ranks > 1 else None, self.clock.summary())
 
     def close(self) -> None:
         import torch
