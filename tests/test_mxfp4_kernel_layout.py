@@ -145,6 +145,7 @@ def test_the_kernel_word_conversion_on_the_kernel_order_gives_the_folded_e4m3_by
             table = ((0x3C383000 + d * 0x08080800) & mask, (0x4C484440 + d * 0x08080808) & mask)
             magnitudes = word & 0x77777777
             low = _byte_perm(*table, magnitudes) | (word & 0x80808080)
-            high = _byte_perm(*table, magnitudes >> 16) | ((word << 4) & 0x80808080)
+            high_half = magnitudes * 0x10000 >> 32  # mul.hi.u32 by 2^16
+            high = _byte_perm(*table, high_half) | ((word << 4) & 0x80808080)
             got += [low >> 8 * i & 0xFF for i in range(4)] + [high >> 8 * i & 0xFF for i in range(4)]
         assert got == want[row].tolist(), row

@@ -62,16 +62,28 @@ __device__ __forceinline__ uint2 fp4_e4m3_table(int d) {
   return make_uint2(lo, hi);
 }
 
+// The byte-permute of `table` by `selector`'s low 16 bits. Written out because __byte_perm lets the
+// compiler see that only those bits are read: it then masks them apart from the high half's (a
+// 16-bit mask of its own, one more integer operation per word).
+__device__ __forceinline__ uint32_t fp4_prmt(uint2 table, uint32_t selector) {
+  uint32_t out;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(table.x), "r"(table.y), "r"(selector));
+  return out;
+}
+
 // One 32-bit word of a row's codes, 8 elements in the kernel's order (megamoe_plugin/mxfp4.py
 // KERNEL_SIGN_OF_NIBBLE: nibble k holds element k's magnitude; the signs of elements 0-3 are bits 7,
 // 15, 23, 31 and those of 4-7 bits 3, 11, 19, 27) -> 8 e4m3 bytes by `table`: elements 0-3 in .x,
-// 4-7 in .y. Seven integer operations: a mask, two byte-permutes of the table (the second after a
-// shift: a permute reads the selector's low 16 bits), and the signs merged by two LOP3s, one after a
-// shift by 4.
+// 4-7 in .y. Seven operations: a mask, two byte-permutes of the table and the signs merged by two
+// LOP3s on the integer pipe, and two on the FMA pipe, which the conversion leaves idle: the high
+// half's selector brought down by a multiply-high by 2^16 (a permute reads only its selector's low
+// 16 bits) and the high signs' shift by 4 (a multiply by 16, as the compiler emits it).
 __device__ __forceinline__ uint2 fp4_convert_word(uint32_t codes, uint2 table) {
   const uint32_t magnitudes = codes & 0x77777777u;
-  return make_uint2(__byte_perm(table.x, table.y, magnitudes) | (codes & 0x80808080u),
-                    __byte_perm(table.x, table.y, magnitudes >> 16) | ((codes << 4) & 0x80808080u));
+  uint32_t high_half;
+  asm("mul.hi.u32 %0, %1, 65536;" : "=r"(high_half) : "r"(magnitudes));
+  return make_uint2(fp4_prmt(table, magnitudes) | (codes & 0x80808080u),
+                    fp4_prmt(table, high_half) | ((codes << 4) & 0x80808080u));
 }
 
 // Converts weight row `row` (0..kBlockN) of a stage's packed tile and scales into `tile` (kBlockN x
