@@ -149,6 +149,12 @@ def test_rows_line_up_with_the_header():
     assert report.row(dict(first, baseline_us=None, speedup=None)).split()[-3:] == ["-", "-", "-"]
 
 
+def test_a_ceilings_clock_note():
+    assert report.clock_note(dict(sm_mhz=1755.4, sm_mhz_min=1700, power_w=300.0, limits="-")) == " at 1755 MHz"
+    assert report.clock_note(dict(sm_mhz=1515.0, sm_mhz_min=1485, power_w=690.0, limits="P")) == " at 1515 MHz (limit P)"
+    assert report.clock_note(dict(sm_mhz=None, sm_mhz_min=None, power_w=None, limits=None)) == ""
+
+
 def test_json_and_plot_from_fake_timings(tmp_path):
     results = _fake_results()
     json_path, png_path, note = report.write_results(results, tmp_path / "out", "bench_x")

@@ -50,6 +50,15 @@ def point(config: str, numerics: Numerics, tokens: int, time_s: float, flops: in
                 nvlink_mb=None if nvlink_bytes is None else nvlink_bytes / 1e6)
 
 
+def clock_note(clock: Dict) -> str:
+    """` at <median> MHz` (and the limits seen, where any) of timing.GpuClockSampler.summary, for a
+    ceiling's line; empty where the clock was not sampled."""
+    if clock.get("sm_mhz") is None:
+        return ""
+    limits = clock.get("limits") or "-"
+    return f" at {clock['sm_mhz']:.0f} MHz" + ("" if limits == "-" else f" (limit {limits})")
+
+
 def plot(results: Dict, path: Path) -> None:
     """The PNG of `results` (write_results' dict); needs matplotlib."""
     import matplotlib
