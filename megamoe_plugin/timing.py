@@ -52,21 +52,23 @@ CLOCK_LIMIT_LETTERS = (("P", 0x04),  # software power cap: the board's power lim
 
 
 class GpuClockSampler:
-    """The SM clock, board power and clock limits of the current GPU, read through NVML
-    (nvidia-ml-py) on a thread while the calls being timed run. A cell that moves between runs
-    at the same clock, with no limit engaged, is not moving for the clock's sake; a clock read
-    after the calls (when the load has stopped and the clock recovers) cannot tell that.
+    """The SM clock and clock limits of the current GPU, read through NVML (nvidia-ml-py) on a
+    thread while the calls being timed run. A cell that moves between runs at the same clock, with
+    no limit engaged, is not moving for the clock's sake; a clock read after the calls (when the
+    load has stopped and the clock recovers) cannot tell that.
 
         with GpuClockSampler() as clock:
             t = median_call_seconds(...)
-        clock.summary()  # {"sm_mhz": median, "sm_mhz_min": lowest, "power_w": highest, "limits": "P"}
+        clock.summary()  # {"sm_mhz": median, "sm_mhz_min": lowest, "limits": "P"}
 
     Without nvidia-ml-py, or where NVML does not answer, `available` is False and the summary's
     values are None."""
 
     def __init__(self, period_s: float = CLOCK_SAMPLE_PERIOD_S):
         self.period_s = period_s
-        self.samples: List[Tuple[int, float, int]] = []  # (SM MHz, board W, clock-event reasons)
+        # (SM MHz, clock-event reasons). Not the board's power: NVML's reading is an average over
+        # about a second, which lags a point's calls (at a run's first point it reads the idle GPU).
+        self.samples: List[Tuple[int, int]] = []
         self._handle = None
         self._nvml = None
         try:
@@ -84,15 +86,20 @@ class GpuClockSampler:
     def available(self) -> bool:
         return self._nvml is not None
 
-    def _read(self) -> None:
+    def _read(self) -> bool:
+        """One reading; False where NVML stopped answering (the readings so far stand, the timed
+        calls go on)."""
         nvml, h = self._nvml, self._handle
-        self.samples.append((nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),
-                             nvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
-                             nvml.nvmlDeviceGetCurrentClocksEventReasons(h)))
+        try:
+            self.samples.append((nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),
+                                 nvml.nvmlDeviceGetCurrentClocksEventReasons(h)))
+        except Exception:
+            return False
+        return True
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            self._read()
+        while not self._stop.wait(self.period_s) and self._read():
+            pass
 
     def __enter__(self) -> "GpuClockSampler":
         if self.available:
@@ -112,13 +119,12 @@ class GpuClockSampler:
 
     def summary(self) -> Dict[str, Optional[object]]:
         if not self.samples:
-            return dict(sm_mhz=None, sm_mhz_min=None, power_w=None, limits=None)
+            return dict(sm_mhz=None, sm_mhz_min=None, limits=None)
         reasons = 0
-        for _, _, r in self.samples:
+        for _, r in self.samples:
             reasons |= r
         return dict(sm_mhz=statistics.median(s[0] for s in self.samples),
                     sm_mhz_min=min(s[0] for s in self.samples),
-                    power_w=max(s[1] for s in self.samples),
                     limits="".join(letter for letter, bits in CLOCK_LIMIT_LETTERS if reasons & bits) or "-")
 
 

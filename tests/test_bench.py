@@ -140,19 +140,19 @@ def test_rows_line_up_with_the_header():
     line = report.row(first)
     assert len(line) == len(report.header())
     # The last column, NVLink MB per call, is "-" on one rank.
-    assert line.split() == ["v3", "fast", "1", "200.0", "5.0", "120.0", "1.67", "-", "-", "-", "-", "220.0", "600.0",
-                            "2.73", "-"]
+    assert line.split() == ["v3", "fast", "1", "200.0", "5.0", "120.0", "1.67", "-", "-", "-", "220.0", "600.0", "2.73",
+                            "-"]
     clocked = report.point("v3", "fast", 1, 200e-6, int(1e9), 120e-6, 220e-6, None,
-                           clock=dict(sm_mhz=1755.4, sm_mhz_min=1410.0, power_w=612.3, limits="P"))
-    assert report.row(clocked).split()[7:11] == ["1755", "1410", "612", "P"]
+                           clock=dict(sm_mhz=1755.4, sm_mhz_min=1410.0, limits="P"))
+    assert report.row(clocked).split()[7:10] == ["1755", "1410", "P"]
     assert len(report.row(clocked)) == len(report.header())
     assert report.row(dict(first, baseline_us=None, speedup=None)).split()[-3:] == ["-", "-", "-"]
 
 
 def test_a_ceilings_clock_note():
-    assert report.clock_note(dict(sm_mhz=1755.4, sm_mhz_min=1700, power_w=300.0, limits="-")) == " at 1755 MHz"
-    assert report.clock_note(dict(sm_mhz=1515.0, sm_mhz_min=1485, power_w=690.0, limits="P")) == " at 1515 MHz (limit P)"
-    assert report.clock_note(dict(sm_mhz=None, sm_mhz_min=None, power_w=None, limits=None)) == ""
+    assert report.clock_note(dict(sm_mhz=1755.4, sm_mhz_min=1700, limits="-")) == " at 1755 MHz"
+    assert report.clock_note(dict(sm_mhz=1515.0, sm_mhz_min=1485, limits="P")) == " at 1515 MHz (limit P)"
+    assert report.clock_note(dict(sm_mhz=None, sm_mhz_min=None, limits=None)) == ""
 
 
 def test_json_and_plot_from_fake_timings(tmp_path):

@@ -156,7 +156,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     clock = GpuClockSampler()
     if not clock.available:
         say("the SM clock is not sampled (no nvidia-ml-py, or NVML does not see this GPU): "
-            "pip install nvidia-ml-py for the sm_MHz, min_MHz, max_W and limit columns")
+            "pip install nvidia-ml-py for the sm_MHz, min_MHz and limit columns")
     with clock:  # the GEMM's clock: a short burst, which a power cap may not reach while long calls do
         fp8_rate = measure_fp8_rate()
     gemm_clock = clock.summary()
@@ -303,7 +303,7 @@ class _Timer:
         stage()
         # The slots as the kernel sees them (shared experts' included): what the floor counts.
         kernel_idx = self.buf.topk_idx[:n].cpu()
-        with self.clock:  # the clock, power and limits while the kernel's timed calls run
+        with self.clock:  # the clock and its limits while the kernel's timed calls run
             t = self.median(kernel)
         t = self._slowest(t)
         t_e2e = self._slowest(self.median(from_bf16))

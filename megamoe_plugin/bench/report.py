@@ -13,7 +13,7 @@ from ..heuristics import Numerics
 COLUMNS = (("config", "8s", "config"), ("numerics", "8s", "numerics"), ("tokens", "6d", "tokens"),
            ("time_us", "9.1f", "time_us"), ("TFLOPS", "7.1f", "tflops"), ("floor_us", "9.1f", "floor_us"),
            ("ratio", "6.2f", "time_per_floor"), ("sm_MHz", "6.0f", "sm_mhz"), ("min_MHz", "7.0f", "sm_mhz_min"),
-           ("max_W", "5.0f", "power_w"), ("limit", "5s", "limits"), ("e2e_us", "9.1f", "e2e_us"), ("base_us", "9.1f", "baseline_us"),
+           ("limit", "5s", "limits"), ("e2e_us", "9.1f", "e2e_us"), ("base_us", "9.1f", "baseline_us"),
            ("speedup", "7.2f", "speedup"), ("nvlink_MB", "9.2f", "nvlink_mb"))
 
 
@@ -36,15 +36,14 @@ def row(point: Dict) -> str:
 def point(config: str, numerics: Numerics, tokens: int, time_s: float, flops: int, floor_s: float, e2e_s: float,
           baseline_s: Optional[float], nvlink_bytes: Optional[int] = None, clock: Optional[Dict] = None) -> Dict:
     """One measured point as the JSON file and the table hold it (times in us; the rank's NVLink
-    traffic per call in MB, floors.rank_floor, None on one rank; `clock`: the SM clock's median
-    and lowest reading, the highest board power and the clock limits seen while the kernel's timed
-    calls ran, timing.GpuClockSampler.summary)."""
+    traffic per call in MB, floors.rank_floor, None on one rank; `clock`: the SM clock's median and
+    lowest reading and the clock limits seen while the kernel's timed calls ran,
+    timing.GpuClockSampler.summary)."""
     clock = clock or {}
     return dict(config=config, numerics=numerics, tokens=tokens, time_us=time_s * 1e6,
                 tflops=flops / time_s / 1e12, floor_us=floor_s * 1e6,
                 time_per_floor=time_s / floor_s if floor_s > 0 else None,  # 0 tokens: no work, no floor
-                sm_mhz=clock.get("sm_mhz"), sm_mhz_min=clock.get("sm_mhz_min"), power_w=clock.get("power_w"),
-                limits=clock.get("limits"),
+                sm_mhz=clock.get("sm_mhz"), sm_mhz_min=clock.get("sm_mhz_min"), limits=clock.get("limits"),
                 e2e_us=e2e_s * 1e6, baseline_us=None if baseline_s is None else baseline_s * 1e6,
                 speedup=None if baseline_s is None else baseline_s / e2e_s,
                 nvlink_mb=None if nvlink_bytes is None else nvlink_bytes / 1e6)
