@@ -280,9 +280,9 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
 // or with MXFP4 weights per weight row, from the warpgroup's conversion of the stage (fp4_weights.cuh)
 // into its 128 rows of the FP8 tile (StageView fp4_tile, fp4_row_scales). One tile, not one per stage,
 // leaves the shared memory to stages (bytes in flight): the warpgroup's barrier after each k-block
-// keeps the next conversion behind every thread's reads of the last. The conversion's integer issue
-// and shared-memory traffic bound this loop, not the WGMMAs' latency, so a second tile to overlap the
-// two gains nothing (docs/design.md 4.10).
+// keeps the next conversion behind every thread's reads of the last. The conversion bounds this loop,
+// not the WGMMAs' latency, so a second tile to overlap the two gains nothing; within the conversion,
+// integer issue is not the bound (docs/design.md 4.10).
 template <class Cfg, int kNumKBlocks, class WeightScales>
 __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const StageView<Cfg>& sv, uint64_t* full,
                                               uint64_t* empty, PipelineState& ps, int wg, const FragCoord& fc,
