@@ -57,11 +57,13 @@ def _fake_nvml(monkeypatch, readings, uuids, fail_after=None):
                         lambda d: types.SimpleNamespace(uuid="1234-abcd"))
 
 
-def _sample_until(sampler, count):
+def _sample_until(sampler, count, linger_s=0.0):
+    """Runs `sampler` until it holds `count` readings (5 s at most), then `linger_s` longer."""
     with sampler:
         deadline = time.monotonic() + 5
         while len(sampler.samples) < count and time.monotonic() < deadline:
             time.sleep(0.001)
+        time.sleep(linger_s)
 
 
 def test_clock_sampler_reports_the_readings_taken_while_the_calls_ran(monkeypatch):
@@ -84,11 +86,7 @@ def test_clock_sampler_reports_the_readings_taken_while_the_calls_ran(monkeypatc
 def test_clock_sampler_keeps_its_readings_when_nvml_stops_answering(monkeypatch):
     _fake_nvml(monkeypatch, [(1980, 0), (1600, 0x4)], {"GPU-1234-abcd"}, fail_after=3)
     sampler = timing.GpuClockSampler(period_s=0.001)
-    with sampler:
-        deadline = time.monotonic() + 5
-        while len(sampler.samples) < 3 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        time.sleep(0.02)  # periods on: the fourth reading fails, and the thread must end quietly
+    _sample_until(sampler, 3, linger_s=0.02)  # periods on: the fourth reading fails, the thread ends quietly
     assert sampler.samples == [(1980, 0), (1600, 0x4), (1600, 0x4)]
     assert sampler.summary() == dict(sm_mhz=1600, sm_mhz_min=1600, limits="P")
 
