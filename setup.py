@@ -31,8 +31,10 @@ def _cuda_include_dir():
 
 
 _CXX_FLAGS = ["-O2", "-fvisibility=hidden"]
+# Both extensions compile the ABI header: a change to it rebuilds them (build_ext compares only the sources otherwise).
+_ABI_HEADERS = ["csrc/megamoe/abi.h", "csrc/megamoe/params.h"]
 ext_modules = [Pybind11Extension("megamoe_plugin._abi", ["csrc/abi/abi_module.cpp"], include_dirs=["csrc"], cxx_std=17,
-                                 extra_compile_args=_CXX_FLAGS)]
+                                 extra_compile_args=_CXX_FLAGS, depends=_ABI_HEADERS)]
 cuda_include = _cuda_include_dir()
 if cuda_include is not None:
     ext_modules.append(
@@ -42,6 +44,7 @@ if cuda_include is not None:
             include_dirs=[cuda_include, "csrc"],
             cxx_std=17,
             extra_compile_args=_CXX_FLAGS,
+            depends=_ABI_HEADERS,
             libraries=["dl"],
         )
     )

@@ -52,7 +52,6 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 from .heuristics import (
     BLOCK_K,
     DEFAULT_NUMERICS,
-    MIN_STAGES,
     NUMERICS_MODES,
     Numerics,
     SMEM_LIMIT,
@@ -64,6 +63,7 @@ from .heuristics import (
     default_config,
     default_num_stages,
     expected_tokens_per_expert,
+    min_pipeline_stages,
     select_block_m,
     smem_bytes,
 )
@@ -295,7 +295,7 @@ class _Validator:
 
     def check_num_stages(self, value: Any, path: str, block_m: int, shape: TableShape, modes: Tuple[str, ...],
                          weights: str) -> int:
-        num_stages = self.check_int(value, path, MIN_STAGES)
+        num_stages = self.check_int(value, path, min_pipeline_stages(block_m, weights))
         for mode in modes:
             needed = smem_bytes(block_m, num_stages, shape.num_local_experts, mode, weights)
             if needed > SMEM_LIMIT:

@@ -65,11 +65,11 @@ def check_numerics(numerics) -> Numerics:
 
 
 # The experts' weight formats (weights.weight_format): FP8 128x128 blocks, or MXFP4 read at 4 bits
-# (csrc/megamoe/config.cuh kFp4Weights), so far at BLOCK_M 8-64 in fast numerics.
+# (csrc/megamoe/config.cuh kFp4Weights), so far in fast numerics only.
 WEIGHT_FORMATS = ("fp8", "mxfp4")
 # What a shape's name gets for each weight format where the bench and the tuner name their configs.
 WEIGHT_NAME_SUFFIX = {"fp8": "", "mxfp4": "+w4"}
-_FP4_BLOCK_M = (8, 16, 32, 64)
+_FP4_BLOCK_M = (8, 16, 32, 64, 128)
 
 
 def check_weight_format(weights) -> str:
@@ -111,7 +111,8 @@ def runnable_block_m(block_m: int, fast_math: bool) -> int:
 # Opt-in dynamic shared memory per block on SM90 (227 KiB).
 SMEM_LIMIT = abi.kSmemLimit
 
-# Two stages are the least that overlap a TMA load with the MMA on the previous one.
+# Two stages are the least that overlap a TMA load with the MMA on the previous one; some variants need
+# more (min_pipeline_stages).
 MIN_STAGES = 2
 # Beyond this many stages the loads already in flight cover the memory latency.
 MAX_STAGES = 8
@@ -181,11 +182,18 @@ def smem_bytes(block_m: int, num_stages: int, num_local_experts: int, numerics: 
     return _smem_plan(block_m, num_stages, num_local_experts, numerics, weights)["bytes"] + abi.kSmemAlignSlack
 
 
+def min_pipeline_stages(block_m: int, weights: str = "fp8") -> int:
+    """The fewest stages a variant runs with (abi.h min_stages): MIN_STAGES, or 3 where the main loop
+    converts MXFP4 weights of the next k-block while it holds the current one and the one before."""
+    _check_tier(block_m)
+    return _smem_plan(block_m, 0, 1, DEFAULT_NUMERICS, weights)["min_stages"]
+
+
 def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = SMEM_LIMIT,
                         numerics: Numerics = DEFAULT_NUMERICS, weights: str = "fp8") -> int:
     """Largest stage count whose `smem_bytes` fits in `smem_limit`.
 
-    Raises ValueError when fewer than MIN_STAGES fit: with one stage the TMA producer
+    Raises ValueError when fewer than min_pipeline_stages fit: with one stage the TMA producer
     and the math warpgroups would serialize, and the kernel would be far slower than
     any alternative, so that is refused rather than launched.
     """
@@ -193,11 +201,11 @@ def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = 
     _check_local_experts(num_local_experts)
     without_stages = _smem_plan(block_m, 0, num_local_experts, numerics, weights)
     stages = (smem_limit - without_stages["bytes"] - abi.kSmemAlignSlack) // without_stages["stage"]
-    if stages < MIN_STAGES:
+    if stages < without_stages["min_stages"]:
         raise ValueError(
             f"only {max(stages, 0)} pipeline stage(s) of block_m={block_m} fit in {smem_limit} bytes of shared "
-            f"memory with {num_local_experts} local experts ({numerics} numerics); the kernel needs at least "
-            f"{MIN_STAGES}")
+            f"memory with {num_local_experts} local experts ({numerics} numerics, {weights} weights); the kernel "
+            f"needs at least {without_stages['min_stages']}")
     return stages
 
 
@@ -205,13 +213,13 @@ def default_num_stages(block_m: int, num_local_experts: int, hidden: int, interm
                        smem_limit: int = SMEM_LIMIT, numerics: Numerics = DEFAULT_NUMERICS,
                        weights: str = "fp8") -> int:
     """Pipeline depth: as many stages as fit, at most MAX_STAGES, at most the k-blocks
-    of the shorter GEMM (min(hidden, intermediate_size) / BLOCK_K), never below MIN_STAGES.
+    of the shorter GEMM (min(hidden, intermediate_size) / BLOCK_K), never below min_pipeline_stages.
 
     Deeper pipelines keep more loads in flight, which is what the weight-bandwidth-bound
     decode case needs, but stages beyond the k-blocks one tile has cannot be filled by
     that tile's loads, and past MAX_STAGES the latency is already covered.
     """
-    useful = max(MIN_STAGES, min(hidden, intermediate_size) // BLOCK_K)
+    useful = max(min_pipeline_stages(block_m, weights), min(hidden, intermediate_size) // BLOCK_K)
     return min(max_pipeline_stages(block_m, num_local_experts, smem_limit, numerics, weights),
                stages_in_flight(weights), useful)
 

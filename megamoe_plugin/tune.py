@@ -62,6 +62,7 @@ from .heuristics import (
     expected_tokens_per_expert,
     implemented_block_m,
     max_pipeline_stages,
+    min_pipeline_stages,
     select_block_m,
     stages_in_flight,
     WEIGHT_FORMATS,
@@ -140,10 +141,12 @@ def stage_candidates(block_m: int, shape: TableShape, numerics: Numerics,
     and half that, which shows whether the deepest pipeline is worth its shared memory."""
     most = max_pipeline_stages(block_m, shape.num_local_experts, numerics=numerics, weights=weights)
     if stages is not None:
-        return tuple(sorted({s for s in stages if s <= most}))
+        least = min_pipeline_stages(block_m, weights)
+        return tuple(sorted({s for s in stages if least <= s <= most}))
     heuristic = default_num_stages(block_m, shape.num_local_experts, shape.hidden, shape.intermediate_size,
                                    numerics=numerics, weights=weights)
-    return tuple(sorted({heuristic, min(max(MIN_STAGES, stages_in_flight(weights) // 2), most)}))
+    return tuple(sorted({heuristic, min(max(min_pipeline_stages(block_m, weights), stages_in_flight(weights) // 2),
+                                        most)}))
 
 
 def plan(shapes: Mapping[str, TableShape], tokens: Sequence[int], numerics: Sequence[str] = NUMERICS_MODES,
@@ -168,7 +171,8 @@ def plan(shapes: Mapping[str, TableShape], tokens: Sequence[int], numerics: Sequ
                 if not candidates:
                     raise ValueError(f"--stages {','.join(map(str, stages))}: none fits in shared memory at any of "
                                      f"the tiers {tier_set} for {name} ({shape.num_local_experts} local experts) in "
-                                     f"{mode} numerics with {weights} weights")
+                                     f"{mode} numerics with {weights} weights as at least the tier's fewest stages "
+                                     f"(heuristics.min_pipeline_stages)")
                 points.append(Point(name, shape, n, mode, candidates, weights))
     return points
 

@@ -23,7 +23,7 @@ def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math:
     of format `weights` (weights.weight_format): the GPU's table for that format, else the heuristic."""
     from .configs import lookup_config
     from .heuristics import (KernelConfig, check_weights_numerics, default_num_stages,
-                             implemented_block_m, max_pipeline_stages, runnable_block_m)
+                             implemented_block_m, max_pipeline_stages, min_pipeline_stages, runnable_block_m)
 
     check_weights_numerics(weights, numerics)
     shape = (s.num_ranks, s.num_experts, s.num_topk, s.hidden, s.intermediate_size, num_tokens, grid_size)
@@ -43,6 +43,10 @@ def variant_for(s, device_name: str, grid_size: int, num_tokens: int, fast_math:
             raise ValueError(f"forced num_stages={forced_num_stages} (MEGAMOE_NUM_STAGES) does not fit: at most {most} "
                              f"stages of block_m={cfg.block_m} fit in shared memory with {s.num_local_experts} local "
                              f"experts in {numerics} numerics")
+        least = min_pipeline_stages(cfg.block_m, weights)
+        if forced_num_stages < least:
+            raise ValueError(f"forced num_stages={forced_num_stages} (MEGAMOE_NUM_STAGES) is too few: block_m={cfg.block_m} "
+                             f"with {weights} weights needs at least {least} stages")
         cfg = dataclasses.replace(cfg, num_stages=forced_num_stages)
     return KernelVariant(s.hidden, s.intermediate_size, s.num_topk, s.num_experts, s.num_ranks, cfg.block_m,
                          cfg.num_stages, fast_math, numerics, windowed=s.windowed, weights=weights)

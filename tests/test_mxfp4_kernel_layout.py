@@ -6,7 +6,8 @@ import torch
 
 from megamoe_plugin import abi
 from megamoe_plugin.buffer import BufferShape
-from megamoe_plugin.heuristics import default_num_stages, implemented_block_m, kernel_weight_format
+from megamoe_plugin.heuristics import (MIN_STAGES, default_num_stages, implemented_block_m, kernel_weight_format,
+                                      min_pipeline_stages)
 from megamoe_plugin.jit.cli import parser
 from megamoe_plugin.jit.command import build_command
 from megamoe_plugin.kernel_variant import KernelVariant
@@ -54,20 +55,35 @@ def test_transformed_scales_of_another_layout_are_refused():
         untransform_weights((w13, s13_t), (w2_t, s2_t))
 
 
-def test_mxfp4_variants_run_the_tiers_up_to_64():
-    assert implemented_block_m("fast", "mxfp4") == (8, 16, 32, 64)
+def test_mxfp4_variants_run_every_fast_tier():
+    assert implemented_block_m("fast", "mxfp4") == implemented_block_m("fast")
     assert implemented_block_m("exact", "mxfp4") == ()
     assert [kernel_weight_format(w, n) for w in ("mxfp4", "fp8") for n in ("fast", "exact")] == \
         ["mxfp4", "fp8", "fp8", "fp8"]
     shape = BufferShape.of_routed(1, 32, 8192, 6, 4096, 2048)
+    tiers = []
     for tokens in (1, 8, 128, 8192):
         v = variant_for(shape, "NVIDIA H100 80GB HBM3", 132, tokens, True, "fast", weights="mxfp4")
-        assert v.weights == "mxfp4" and v.block_m in (8, 16, 32, 64)
+        assert v.weights == "mxfp4" and v.num_stages >= min_pipeline_stages(v.block_m, "mxfp4")
         assert v.name().endswith("_w4") and "true>" in v.source().split("KernelConfig<")[1].split(";")[0]
+        tiers.append(v.block_m)
+    assert tiers[0] < 64 and tiers[-1] == 128  # swap-AB at decode, the cooperative tier at prefill
     with pytest.raises(ValueError, match="fast numerics only"):
         variant_for(shape, "NVIDIA H100 80GB HBM3", 132, 8, True, "exact", weights="mxfp4")
-    with pytest.raises(ValueError, match="block_m .8, 16, 32, 64."):
-        KernelVariant(4096, 2048, 6, 32, 1, 128, 4, True, "fast", weights="mxfp4")
+
+
+def test_the_two_tile_tiers_need_three_stages():
+    """BLOCK_M 64 and 128 convert the next k-block's MXFP4 stage while they hold the current one and the
+    one before: two stages would wait on each other, so they are refused by name."""
+    assert [min_pipeline_stages(bm, "mxfp4") for bm in (8, 16, 32, 64, 128)] == [2, 2, 2, 3, 3]
+    assert all(min_pipeline_stages(bm) == MIN_STAGES for bm in (8, 16, 32, 64, 128))
+    shape = BufferShape.of_routed(1, 32, 8192, 6, 4096, 2048)
+    with pytest.raises(ValueError, match="num_stages=2 .MEGAMOE_NUM_STAGES. is too few: block_m=128"):
+        variant_for(shape, "NVIDIA H100 80GB HBM3", 132, 8192, True, "fast", forced_num_stages=2, weights="mxfp4")
+    assert variant_for(shape, "NVIDIA H100 80GB HBM3", 132, 8192, True, "fast", forced_num_stages=3,
+                       weights="mxfp4").num_stages == 3
+    assert variant_for(shape, "NVIDIA H100 80GB HBM3", 132, 1, True, "fast", forced_num_stages=2,
+                       weights="mxfp4").num_stages == 2
 
 
 def test_the_kernel_and_the_format_agree_on_the_group_size():

@@ -290,7 +290,8 @@ def test_main_times_and_writes_the_table_with_its_command_and_date(monkeypatch, 
     (["--weights", "fp4"], "argument --weights: invalid choice: 'fp4'"),
     (["--weights", "mxfp4", "--numerics", "exact"],
      "--numerics exact: the kernel runs mxfp4 weights in no tier of 'exact' numerics"),
-    (["--weights", "mxfp4", "--tiers", "128"], "--tiers 128: none is a tier of fast numerics with mxfp4 weights"),
+    (["--weights", "mxfp4", "--tiers", "128", "--stages", "2"],
+     "--stages 2: none fits in shared memory at any of the tiers (128,)"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

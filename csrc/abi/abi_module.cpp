@@ -81,7 +81,7 @@ std::map<std::string, int> smem_plan(int block_m, int num_stages, int num_local_
   return {{"amax_exchange", s.amax_exchange}, {"tables", s.tables}, {"quad_lines", s.quad_lines},
           {"l1_token_scales", s.l1_token_scales}, {"l1_tokens", s.l1_tokens},
           {"fp4_row_scales", s.fp4_row_scales}, {"fp4_tile", s.fp4_tile}, {"stages", s.stages},
-          {"stage", s.stage}, {"bytes", s.bytes}};
+          {"stage", s.stage}, {"bytes", s.bytes}, {"min_stages", s.min_stages}};
 }
 
 }  // namespace

@@ -135,9 +135,18 @@ constexpr int stage_bytes(int block_m, bool fp4) {
   return align_up(block_m * kBlockK + stage_b_bytes(fp4) + 4 * stage_scale_floats(block_m) +
                       stage_weight_scale_bytes(fp4), 1024);
 }
-// MXFP4 weights: the converted FP8 tile (kBlockN x kBlockK, 128B swizzle) and its rows' scales (float).
-constexpr int fp4_tile_bytes(bool fp4) { return fp4 ? kBlockN * kBlockK : 0; }
-constexpr int fp4_row_scale_bytes(bool fp4) { return fp4 ? kBlockN * 4 : 0; }
+// MXFP4 weights: the converted FP8 tiles (kBlockN x kBlockK, 128B swizzle) and their rows' scales
+// (float). Two at BLOCK_M 64 and 128, whose main loop converts the next k-block into one while the
+// WGMMAs of the current k-block read the other; one in swap-AB (BLOCK_M 8-32), whose loop is bound
+// by the conversion itself, so that the shared memory goes to stages (bytes in flight) instead.
+constexpr int fp4_tiles(int block_m, bool fp4) { return fp4 ? (block_m >= 64 ? 2 : 1) : 0; }
+constexpr int fp4_tile_bytes(int block_m, bool fp4) { return fp4_tiles(block_m, fp4) * kBlockN * kBlockK; }
+constexpr int fp4_row_scale_bytes(int block_m, bool fp4) { return fp4_tiles(block_m, fp4) * kBlockN * 4; }
+// The fewest pipeline stages a variant runs with: 3 where the main loop converts MXFP4 weights into
+// two tiles, since it waits for the next k-block's stage while holding the current one and the one
+// before (whose last WGMMAs are still in flight); else 2, so that the producer fills one stage while
+// the math warpgroups read the other.
+constexpr int min_stages(int block_m, bool fp4) { return fp4_tiles(block_m, fp4) == 2 ? 3 : 2; }
 // The BLOCK_M 64 / 128 epilogues' quad exchange in fast numerics (epilogue.cuh QuadLines): per math
 // warp, one 64-byte line for each of its 8 fragment rows. The swap-AB tiers (below 64) have none, and
 // exact numerics' L2 at BLOCK_M 64 exchanges in registers (quad_transpose): with the lines every exact
@@ -150,6 +159,7 @@ struct SmemPlan {
   int amax_exchange, tables, quad_lines, l1_token_scales, l1_tokens, fp4_row_scales, fp4_tile, stages;
   int stage;  // bytes of one pipeline stage
   int bytes;  // sizeof(SharedStorage), without kSmemAlignSlack
+  int min_stages;  // min_stages(block_m, fp4)
 };
 
 constexpr SmemPlan smem_plan(int block_m, int num_stages, int num_local_experts, bool exact, bool fp4) {
@@ -159,11 +169,12 @@ constexpr SmemPlan smem_plan(int block_m, int num_stages, int num_local_experts,
   s.quad_lines = align_up(s.tables + (3 * num_local_experts + 1) * 4, 16);  // int [3 E_l + 1]
   s.l1_token_scales = s.quad_lines + quad_line_bytes(block_m, exact);
   s.l1_tokens = align_up(s.l1_token_scales + (exact ? 2 * block_m * 4 : 0), 1024);  // float [2][BLOCK_M]
-  s.fp4_row_scales = s.l1_tokens + 2 * l1_token_bytes(block_m, exact);  // float [kBlockN]
-  s.fp4_tile = align_up(s.fp4_row_scales + fp4_row_scale_bytes(fp4), 1024);
-  s.stages = s.fp4_tile + fp4_tile_bytes(fp4);
+  s.fp4_row_scales = s.l1_tokens + 2 * l1_token_bytes(block_m, exact);  // float [tiles][kBlockN]
+  s.fp4_tile = align_up(s.fp4_row_scales + fp4_row_scale_bytes(block_m, fp4), 1024);
+  s.stages = s.fp4_tile + fp4_tile_bytes(block_m, fp4);
   s.stage = stage_bytes(block_m, fp4);
   s.bytes = s.stages + num_stages * s.stage;
+  s.min_stages = min_stages(block_m, fp4);
   return s;
 }
 

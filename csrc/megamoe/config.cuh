@@ -30,8 +30,8 @@ struct KernelConfig {
   static constexpr bool kWindowed = kWindowed_;
   // MXFP4 expert weights (docs/design.md section 2, "FP4 experts"; fp4_weights.cuh): the stages carry
   // the packed E2M1 codes and their E8M0 scales, half the bytes of FP8 weights, and each math
-  // warpgroup converts its 128 rows of a k-block into an FP8 tile before its WGMMAs. So far in fast
-  // numerics at BLOCK_M 8-64, where a warpgroup's WGMMAs read only the rows it converted.
+  // warpgroup converts its 128 rows of a k-block into an FP8 tile before the WGMMAs (at BLOCK_M 128
+  // both warpgroups read all 256 rows of the tile). So far in fast numerics.
   static constexpr bool kFp4Weights = kFp4Weights_;
 
   // A GEMM tile is BLOCK_M pool rows x 256 weight rows x 128 (K). Exact L1 is always swap-AB on
@@ -132,9 +132,8 @@ struct KernelConfig {
   static_assert(!kRebalanceRegisters || (!kExactL1 && !kFp8SwapAB),
                 "a rebalanced tier's GEMM waits must all unwind (pipeline.cuh gemm_wait): only mma_tile's do");
   static_assert(kNumExperts % kNumRanks == 0, "E must be a multiple of R");
-  static_assert(kNumStages >= 2, "need at least two pipeline stages");
-  static_assert(!kFp4Weights || (kWgHalves == 1 && !kExactL1),
-                "MXFP4 weights: BLOCK_M 8-64 in fast numerics so far (each warpgroup reads only the rows it converts)");
+  static_assert(kNumStages >= min_stages(kBlockM, kFp4Weights), "too few pipeline stages (abi.h min_stages)");
+  static_assert(!kFp4Weights || !kExactL1, "MXFP4 weights: fast numerics only so far");
 };
 
 }  // namespace megamoe

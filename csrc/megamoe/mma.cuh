@@ -107,6 +107,13 @@ __device__ __forceinline__ void for_each_fragment_col(F&& f) {
 // at k-block kb: .x for even 8-column chunks, .y for odd ones (L1: gate, up; L2: the same).
 // False after a pipeline timeout (gemm_wait). `full_wait` gains the cycles spent waiting for
 // full stages (timeline.cuh; constant zero unless built with MEGAMOE_TIMELINE).
+// MXFP4 weights: each warpgroup converts its 128 weight rows of a stage into an FP8 tile (at BLOCK_M
+// 128 both read all 256), the tile's first k-block before any WGMMA, every later one into the other
+// of two tiles once the first batch of the k-block before has gone out, so that the conversion runs
+// while the tensor cores do. Two barriers a k-block: before the conversion, every WGMMA that read the
+// tile it overwrites (the k-block before's) is done; after it, the tile is whole. It waits for the
+// next stage at the top of the k-block (a wait between the batches made ptxas spill at BLOCK_M 128),
+// so it holds three stages at once (abi.h min_stages).
 // (The policy is a template argument so that a benchmark of the main loop alone can instantiate
 // the waited 128-row form beside the served one.)
 template <class Cfg, bool kPipelinedBatches = !Cfg::kExactL1>
@@ -118,30 +125,39 @@ struct MmaBatching {
   static constexpr int kPartFloats = kBatchRows / 2;  // m64nBATCH fragment per thread
   // The last batch of a k-block stays in flight across the next k-block's barrier wait, except
   // with fast_math=False: its IEEE divisions call out of line, and with a batch carried over
-  // ptxas spills around those calls (at BLOCK_M 64), so those variants drain each k-block; and with
-  // MXFP4 weights, whose next k-block's conversion overwrites the tile and row scales it reads.
-  static constexpr bool kCarryAcrossKBlocks = kPipelined && Cfg::kFastMath && !Cfg::kFp4Weights;
+  // ptxas spills around those calls (at BLOCK_M 64), so those variants drain each k-block. (MXFP4
+  // weights: the next k-block is converted into the other tile, so the carried batch's stays.)
+  static constexpr bool kCarryAcrossKBlocks = kPipelined && Cfg::kFastMath;
   using Op = std::conditional_t<kBatchRows == 64, cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>,
                                 cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>>;
 };
 
-// MXFP4 weights (fp4_weights.cuh): this warpgroup's 128 rows of stage `stage` converted into the FP8
-// tile (StageView fp4_tile) and their scales, visible to its WGMMAs; returns the tile. Both main loops
-// read only their own warpgroup's rows, so the warpgroup's own barrier suffices.
+// MXFP4 weights: the named barrier of the math threads that share the converted tile. Below BLOCK_M
+// 128 each warpgroup's WGMMAs read only the 128 rows it converts, so each has its own; at BLOCK_M 128
+// (cooperative) both warpgroups read all 256 rows, each converting half of them, so they meet.
 template <class Cfg>
-__device__ __forceinline__ const uint8_t* fp4_convert_stage(const StageView<Cfg>& sv, int stage, int wg) {
-  fp4_convert_row(sv.b(stage), sv.b_scale_codes(stage), sv.fp4_tile(), sv.fp4_row_scales(),
-                  wg * Cfg::kWgN + Role::thread_in_warpgroup());
-  cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // the tile's stores -> WGMMA reads
-  named_barrier_sync(kFp4ConvertBarrierId + wg, Cfg::kWgN);
-  return sv.fp4_tile();
+__device__ __forceinline__ void fp4_tile_barrier(int wg) {
+  if constexpr (Cfg::kWgHalves == 2) {
+    named_barrier_sync(kFp4ConvertBarrierId, Cfg::kNumMathThreads);
+  } else {
+    named_barrier_sync(kFp4ConvertBarrierId + wg, Cfg::kWgN);
+  }
 }
 
-// MXFP4 weights: every thread of the warpgroup is done reading the tile and its row scales, so the
-// next k-block's conversion may overwrite them.
+// MXFP4 weights: the thread's stores into a converted tile made visible to the WGMMAs of every
+// warpgroup that reads it.
 template <class Cfg>
-__device__ __forceinline__ void fp4_tile_reads_done(int wg) {
-  named_barrier_sync(kFp4ConvertBarrierId + wg, Cfg::kWgN);
+__device__ __forceinline__ void fp4_tile_written(int wg) {
+  cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // the tile's stores -> WGMMA reads
+  fp4_tile_barrier<Cfg>(wg);
+}
+
+// MXFP4 weights (fp4_weights.cuh): this warpgroup's 128 rows of stage `stage` converted at once into
+// FP8 tile `tile` (StageView fp4_tile) and their scales (thread t of the warpgroup: row 128 wg + t).
+template <class Cfg>
+__device__ __forceinline__ void fp4_convert_stage(const StageView<Cfg>& sv, int stage, int tile, int wg) {
+  fp4_convert_row(sv.b(stage), sv.b_scale_codes(stage), sv.fp4_tile(tile), sv.fp4_row_scales(tile),
+                  wg * Cfg::kWgN + Role::thread_in_warpgroup());
 }
 
 template <class Cfg, int kNumKBlocks, class WeightScales>
@@ -163,12 +179,11 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
   struct KBlockScales {
     float sa[2];
     float2 sb[kHalves];
+    const float* fp4_row_scales;  // MXFP4 weights: the k-block's converted tile's, one per weight row
   };
   // One flat array: a two-dimensional one makes ptxas spill (exact BLOCK_M 64, fast_math=False).
   float parts[B::kParts * kPartFloats];
   const auto part = [&](int i) { return parts + (i % B::kParts) * kPartFloats; };
-  // MXFP4 weights: the converted tile's row scales (fp4_weights.cuh), one per fragment column.
-  const float* fp4_row_scales = Cfg::kFp4Weights ? sv.fp4_row_scales() : nullptr;
   const auto promote = [&](int batch, const float* from, const KBlockScales& s) {
     const int h = batch * B::kBatchRows / Cfg::kWgN;
     float* to = acc + batch * kPartFloats;
@@ -176,7 +191,7 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
     for (int c = 0; c < kPartFloats / 4; ++c) {
       if constexpr (Cfg::kFp4Weights) {  // the batch's weight rows b_row + 8c + 2q + {0, 1}
         const int b_row = Cfg::wg_weight_block(wg, h) * Cfg::kWgN + (batch * B::kBatchRows) % Cfg::kWgN;
-        const float2 sb = *reinterpret_cast<const float2*>(fp4_row_scales + b_row + 8 * c + 2 * fc.q);
+        const float2 sb = *reinterpret_cast<const float2*>(s.fp4_row_scales + b_row + 8 * c + 2 * fc.q);
 #pragma unroll
         for (int i = 0; i < 4; ++i) to[4 * c + i] += from[4 * c + i] * (s.sa[i / 2] * (i % 2 == 0 ? sb.x : sb.y));
       } else {
@@ -201,32 +216,48 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
     promote(kLast, part(kLast), s);
     release(stage);
   };
+  const auto wait_full = [&](const PipelineState& s) {
+    const uint32_t wait_start = TileClock::tile_clock();
+    const bool stage_full = gemm_wait<Cfg>(p, &full[s.stage], s.phase, kErrPipelineFullTimeout);
+    if constexpr (kTimeline) full_wait += TileClock::tile_clock() - wait_start;
+    return stage_full;
+  };
+  static_assert(!Cfg::kFp4Weights || B::kPipelined, "MXFP4 weights: the next k-block converts while a batch runs");
 #pragma unroll
   for (int i = 0; i < Cfg::kAccFloats; ++i) acc[i] = 0.f;
+  if constexpr (Cfg::kFp4Weights) {  // the first k-block, into tile 0, once every WGMMA that read it is done
+    fp4_tile_barrier<Cfg>(wg);
+    if (!wait_full(ps)) return false;
+    fp4_convert_stage(sv, ps.stage, 0, wg);
+    fp4_tile_written<Cfg>(wg);
+  }
   KBlockScales prev{};  // carried across k-blocks: the previous k-block's scales
   int prev_stage = 0;
   for (int kb = 0; kb < kNumKBlocks; ++kb) {
     KBlockScales cur;
-    if constexpr (!Cfg::kFp4Weights) {
+    // MXFP4 weights: the next k-block's stage, converted into the other tile during this one's WGMMAs.
+    PipelineState next = ps;
+    next.advance<Cfg::kNumStages>();
+    const bool convert_next = Cfg::kFp4Weights && kb + 1 < kNumKBlocks;
+    if constexpr (Cfg::kFp4Weights) {
+      cur.fp4_row_scales = sv.fp4_row_scales(kb & 1);
+      if (convert_next && !wait_full(next)) {  // waited for here, where the failure path is the FP8 loop's
+        cute::warpgroup_wait<0>();
+        return false;
+      }
+    } else {
 #pragma unroll
       for (int h = 0; h < kHalves; ++h)  // issued before the barrier wait: the wait hides their latency
         cur.sb[h] = weight_scales(kb, Cfg::wg_weight_block(wg, h));
-    }
-    const uint32_t wait_start = TileClock::tile_clock();
-    const bool stage_full = gemm_wait<Cfg>(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
-    if constexpr (kTimeline) full_wait += TileClock::tile_clock() - wait_start;
-    if (!stage_full) {
-      // Drained before leaving: a path that leaves with a batch in flight makes ptxas
-      // serialize every WGMMA of the loop (warning C7518).
-      cute::warpgroup_wait<0>();
-      return false;
+      if (!wait_full(ps)) {
+        // Drained before leaving: a path that leaves with a batch in flight makes ptxas
+        // serialize every WGMMA of the loop (warning C7518).
+        cute::warpgroup_wait<0>();
+        return false;
+      }
     }
     const int stage = kUniformIndices ? warp_uniform(ps.stage) : ps.stage;
-    const uint8_t* weights = sv.b(stage);
-    if constexpr (Cfg::kFp4Weights) {
-      static_assert(kHalves == 1, "MXFP4 weights: each warpgroup converts the rows its WGMMAs read");
-      weights = fp4_convert_stage(sv, stage, wg);
-    }
+    const uint8_t* weights = Cfg::kFp4Weights ? sv.fp4_tile(kb & 1) : sv.b(stage);
     const float* sa = sv.a_scales(stage) + sf_skew + row0 + fc.r0;
 #pragma unroll
     for (int i = 0; i < 2; ++i) cur.sa[i] = sa[8 * i];
@@ -261,10 +292,14 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
           release(prev_stage);
         }
       }
+      if (convert_next && b == 0) {  // every WGMMA of k-block kb - 1 is done (its last batch just above): its tile is free
+        fp4_tile_barrier<Cfg>(wg);
+        fp4_convert_stage(sv, next.stage, (kb + 1) & 1, wg);
+      }
     }
+    if (convert_next) fp4_tile_written<Cfg>(wg);
     if constexpr (B::kParts == 2 && !B::kCarryAcrossKBlocks) drain_last(cur, ps.stage);
     if constexpr (B::kCarryAcrossKBlocks) prev = cur, prev_stage = ps.stage;
-    if constexpr (Cfg::kFp4Weights) fp4_tile_reads_done<Cfg>(wg);
     ps.advance<Cfg::kNumStages>();
   }
   if constexpr (B::kCarryAcrossKBlocks) drain_last(prev, prev_stage);
@@ -305,7 +340,9 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
     if constexpr (kTimeline) full_wait += TileClock::tile_clock() - wait_start;
     const uint8_t* weights = sv.b(ps.stage);
     if constexpr (Cfg::kFp4Weights) {
-      weights = fp4_convert_stage(sv, ps.stage, wg);
+      fp4_convert_stage(sv, ps.stage, 0, wg);
+      fp4_tile_written<Cfg>(wg);
+      weights = sv.fp4_tile();
 #pragma unroll
       for (int i = 0; i < Cfg::kSwapSubTiles; ++i) {
         const float* rs = sv.fp4_row_scales() + wg * Cfg::kWgN + 64 * i + fc.r0;
@@ -339,7 +376,7 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
         acc[i * kFrag + 4 * c + j] += part[i * kFrag + 4 * c + j] * (sa[c][j] * sb[i].x);
         acc[i * kFrag + 4 * c + 2 + j] += part[i * kFrag + 4 * c + 2 + j] * (sa[c][j] * sb[i].y);
       });
-    if constexpr (Cfg::kFp4Weights) fp4_tile_reads_done<Cfg>(wg);
+    if constexpr (Cfg::kFp4Weights) fp4_tile_barrier<Cfg>(wg);  // every thread's reads of the tile are done
     ps.advance<Cfg::kNumStages>();
   }
 }

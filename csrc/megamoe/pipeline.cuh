@@ -30,15 +30,16 @@ struct StageView {
   __device__ uint32_t* b_scale_codes(int s) const {
     return reinterpret_cast<uint32_t*>(b(s) + Cfg::kStageB + Cfg::kStageScaleBytes);
   }
-  // MXFP4 weights: the converted FP8 tile and its rows' scales (SharedStorage fp4_tile,
+  // MXFP4 weights: converted FP8 tile `tile` and its rows' scales (SharedStorage fp4_tile,
   // fp4_row_scales), at constant offsets from the stages (no further pointer kept live).
-  __device__ uint8_t* fp4_tile() const {
+  __device__ uint8_t* fp4_tile(int tile = 0) const {
     return stages + (static_cast<int>(offsetof(SharedStorage<Cfg>, fp4_tile)) -
-                     static_cast<int>(offsetof(SharedStorage<Cfg>, stages)));
+                     static_cast<int>(offsetof(SharedStorage<Cfg>, stages))) + tile * kBlockN * kBlockK;
   }
-  __device__ float* fp4_row_scales() const {
+  __device__ float* fp4_row_scales(int tile = 0) const {
     return reinterpret_cast<float*>(stages + (static_cast<int>(offsetof(SharedStorage<Cfg>, fp4_row_scales)) -
-                                              static_cast<int>(offsetof(SharedStorage<Cfg>, stages))));
+                                              static_cast<int>(offsetof(SharedStorage<Cfg>, stages)))) +
+           tile * kBlockN;
   }
 };
 

@@ -48,11 +48,11 @@ struct SharedStorage {
   // both math warpgroups' WGMMAs, one per k-block parity.
   float l1_token_scales[2][Cfg::kExactL1 ? Cfg::kBlockM : 0];
   alignas(1024) uint8_t l1_tokens[2][Cfg::kL1TokenBytes];
-  // MXFP4 weights only (zero-length otherwise): the FP8 tile the math warpgroups convert a stage's
-  // packed codes into (kBlockN x 128 K, 128B swizzle, each warpgroup its own 128 rows) and its rows'
-  // scales (fp4_weights.cuh).
-  float fp4_row_scales[Cfg::kFp4Weights ? Cfg::kBlockN : 0];
-  alignas(1024) uint8_t fp4_tile[fp4_tile_bytes(Cfg::kFp4Weights)];
+  // MXFP4 weights only (zero-length otherwise): the FP8 tiles the math warpgroups convert a stage's
+  // packed codes into (kBlockN x 128 K, 128B swizzle, each warpgroup converting 128 rows) and their
+  // rows' scales (fp4_weights.cuh; abi.h fp4_tiles says how many).
+  float fp4_row_scales[fp4_row_scale_bytes(Cfg::kBlockM, Cfg::kFp4Weights) / 4];
+  alignas(1024) uint8_t fp4_tile[fp4_tile_bytes(Cfg::kBlockM, Cfg::kFp4Weights)];
   // The pipeline's stages, each an A tile (BLOCK_M x 128 K), a B tile (256 x 128 K) and the A rows'
   // token scales (config.cuh kStageScaleFloats), 1024-aligned for the 128B swizzle. The dispatch phases alias them as int scratch (Cfg::kScratchInts).
   alignas(1024) uint8_t stages[Cfg::kNumStages][Cfg::kStageBytes];
