@@ -157,8 +157,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not clock.available:
         say("the SM clock is not sampled (no nvidia-ml-py, or NVML does not see this GPU): "
             "pip install nvidia-ml-py for the sm_MHz, min_MHz and limit columns")
-    with clock:  # the GEMM's clock: a short burst, which a power cap may not reach while long calls do
-        fp8_rate = measure_fp8_rate()
+    fp8_rate = measure_fp8_rate(clock)  # a short burst, which a power cap may not reach while long calls do
     gemm_clock = clock.summary()
     ceilings = Ceilings(measure_hbm_bandwidth(), fp8_rate)
     gen = torch.Generator(device="cuda").manual_seed(1000 + rank)

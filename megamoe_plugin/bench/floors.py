@@ -4,13 +4,14 @@ rank's floor from its routing: max(bytes / bandwidth, FLOPs / FP8 rate, NVLink b
 peer bandwidth)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..mxfp4 import MXFP4_GROUP
-from ..timing import timed_seconds
+from ..timing import GpuClockSampler, timed_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +30,13 @@ def measure_hbm_bandwidth() -> float:
     return 2 * src.numel() * 10 / timed_seconds(lambda: dst.copy_(src), 10)
 
 
-def measure_fp8_rate() -> float:
-    """FLOP/s of an 8192^3 FP8 GEMM through torch._scaled_mm."""
+# GEMMs timed for the FP8 rate: about 30 ms on an H100 or H200, several of GpuClockSampler's readings.
+FP8_RATE_GEMMS = 40
+
+
+def measure_fp8_rate(clock: Optional[GpuClockSampler] = None) -> float:
+    """FLOP/s of an 8192^3 FP8 GEMM through torch._scaled_mm; `clock` samples the SM clock over the
+    timed GEMMs alone (the setup before them, cuBLAS's first call among it, leaves the GPU idle)."""
     n = 8192
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
@@ -41,7 +47,10 @@ def measure_fp8_rate() -> float:
 
     for _ in range(3):
         gemm()
-    return 2 * n ** 3 * 10 / timed_seconds(gemm, 10)
+    torch.cuda.synchronize()
+    with clock if clock is not None else contextlib.nullcontext():
+        seconds = timed_seconds(gemm, FP8_RATE_GEMMS)
+    return 2 * n ** 3 * FP8_RATE_GEMMS / seconds
 
 
 def measure_peer_bandwidth(buf) -> float:
