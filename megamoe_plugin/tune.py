@@ -171,7 +171,7 @@ def plan(shapes: Mapping[str, TableShape], tokens: Sequence[int], numerics: Sequ
                 if not candidates:
                     raise ValueError(f"--stages {','.join(map(str, stages))}: none fits in shared memory at any of "
                                      f"the tiers {tier_set} for {name} ({shape.num_local_experts} local experts) in "
-                                     f"{mode} numerics with {weights} weights as at least the tier's fewest stages "
+                                     f"{mode} numerics with {weights} weights while at least the tier's fewest stages "
                                      f"(heuristics.min_pipeline_stages)")
                 points.append(Point(name, shape, n, mode, candidates, weights))
     return points

@@ -10,7 +10,6 @@ from megamoe_plugin.heuristics import (MIN_STAGES, default_num_stages, implement
                                       min_pipeline_stages)
 from megamoe_plugin.jit.cli import parser
 from megamoe_plugin.jit.command import build_command
-from megamoe_plugin.kernel_variant import KernelVariant
 from megamoe_plugin.model_config import MoEShape
 from megamoe_plugin.mxfp4 import MXFP4_GROUP, fold_rows, from_kernel_codes, to_kernel_codes
 from megamoe_plugin.variants import build_variants_for, variant_for

@@ -132,6 +132,18 @@ struct MmaBatching {
                                 cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>>;
 };
 
+// Waits until stage `s` is full: false after a timeout in a rebalanced tier (gemm_wait; elsewhere the
+// wait traps). `full_wait` gains the cycles it took (timeline.cuh; constant zero unless built with
+// MEGAMOE_TIMELINE).
+template <class Cfg>
+__device__ __forceinline__ bool wait_stage_full(const KernelParams& p, uint64_t* full, const PipelineState& s,
+                                                uint32_t& full_wait) {
+  const uint32_t wait_start = TileClock::tile_clock();
+  const bool stage_full = gemm_wait<Cfg>(p, &full[s.stage], s.phase, kErrPipelineFullTimeout);
+  if constexpr (kTimeline) full_wait += TileClock::tile_clock() - wait_start;
+  return stage_full;
+}
+
 // MXFP4 weights: the named barrier of the math threads that share the converted tile. Below BLOCK_M
 // 128 each warpgroup's WGMMAs read only the 128 rows it converts, so each has its own; at BLOCK_M 128
 // (cooperative) both warpgroups read all 256 rows, each converting half of them, so they meet.
@@ -216,18 +228,12 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
     promote(kLast, part(kLast), s);
     release(stage);
   };
-  const auto wait_full = [&](const PipelineState& s) {
-    const uint32_t wait_start = TileClock::tile_clock();
-    const bool stage_full = gemm_wait<Cfg>(p, &full[s.stage], s.phase, kErrPipelineFullTimeout);
-    if constexpr (kTimeline) full_wait += TileClock::tile_clock() - wait_start;
-    return stage_full;
-  };
   static_assert(!Cfg::kFp4Weights || B::kPipelined, "MXFP4 weights: the next k-block converts while a batch runs");
 #pragma unroll
   for (int i = 0; i < Cfg::kAccFloats; ++i) acc[i] = 0.f;
   if constexpr (Cfg::kFp4Weights) {  // the first k-block, into tile 0, once every WGMMA that read it is done
     fp4_tile_barrier<Cfg>(wg);
-    if (!wait_full(ps)) return false;
+    if (!wait_stage_full<Cfg>(p, full, ps, full_wait)) return false;
     fp4_convert_stage(sv, ps.stage, 0, wg);
     fp4_tile_written<Cfg>(wg);
   }
@@ -241,7 +247,7 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
     const bool convert_next = Cfg::kFp4Weights && kb + 1 < kNumKBlocks;
     if constexpr (Cfg::kFp4Weights) {
       cur.fp4_row_scales = sv.fp4_row_scales(kb & 1);
-      if (convert_next && !wait_full(next)) {  // waited for here, where the failure path is the FP8 loop's
+      if (convert_next && !wait_stage_full<Cfg>(p, full, next, full_wait)) {  // waited for here, where the failure path is the FP8 loop's
         cute::warpgroup_wait<0>();
         return false;
       }
@@ -249,7 +255,7 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
 #pragma unroll
       for (int h = 0; h < kHalves; ++h)  // issued before the barrier wait: the wait hides their latency
         cur.sb[h] = weight_scales(kb, Cfg::wg_weight_block(wg, h));
-      if (!wait_full(ps)) {
+      if (!wait_stage_full<Cfg>(p, full, ps, full_wait)) {
         // Drained before leaving: a path that leaves with a batch in flight makes ptxas
         // serialize every WGMMA of the loop (warning C7518).
         cute::warpgroup_wait<0>();
@@ -335,9 +341,7 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
 #pragma unroll
       for (int i = 1; i < Cfg::kSwapSubTiles; ++i) sb[i] = sb[0];
     }
-    const uint32_t wait_start = TileClock::tile_clock();
-    mbar_wait(p, &full[ps.stage], ps.phase, kErrPipelineFullTimeout);
-    if constexpr (kTimeline) full_wait += TileClock::tile_clock() - wait_start;
+    wait_stage_full<Cfg>(p, full, ps, full_wait);  // swap-AB tiers are never rebalanced: a timeout traps
     const uint8_t* weights = sv.b(ps.stage);
     if constexpr (Cfg::kFp4Weights) {
       fp4_convert_stage(sv, ps.stage, 0, wg);
