@@ -90,6 +90,13 @@ def scale_bits(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     return scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
 
 
+def check_no_nan_scales(scale: torch.Tensor, name: str = "MXFP4 scales") -> None:
+    """Raises ValueError, naming `scale`, where it holds E8M0's NaN code (255). Neither an FP8 block
+    nor the kernel's fold (per 128-row block, fold_blocks) can keep one group's NaN to that group."""
+    if bool((scale_bits(scale, name) == _E8M0_NAN).any()):
+        raise ValueError(f"{name} hold the E8M0 NaN code (255)")
+
+
 def scale_bits_of_float(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     """The E8M0 codes (uint8) of float32 scales that hold E8M0 values (powers of two 2^-127..2^127, or
     NaN), as SGLang stages MXFP4 experts' scales: exactly the float's exponent field. Anything else
@@ -185,8 +192,7 @@ def to_fp8_blocks(packed: torch.Tensor, scale: torch.Tensor, exact: bool = True)
     if n % _FP8_BLOCK or k % _FP8_BLOCK:
         raise ValueError(f"FP8 128x128 blocks need N and K multiples of {_FP8_BLOCK}; the codes of shape "
                          f"{tuple(packed.shape)} are [..., N={n}, K={k}]")
-    if bool((bits == _E8M0_NAN).any()):
-        raise ValueError("MXFP4 scales hold the E8M0 NaN code (255)")
+    check_no_nan_scales(scale)
     groups_per_block = _FP8_BLOCK // MXFP4_GROUP
     groups = values.unflatten(-1, (k // MXFP4_GROUP, MXFP4_GROUP))  # [..., N, K/32, 32]
     live = torch.where((groups != 0).any(dim=-1), bits, -1)  # a group of zeros takes any scale
@@ -207,21 +213,32 @@ def to_fp8_blocks(packed: torch.Tensor, scale: torch.Tensor, exact: bool = True)
     return e4m3, torch.ldexp(torch.ones_like(block_exponent, dtype=torch.float32), block_exponent)
 
 
-def fold_rows(packed: torch.Tensor, scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def fold_blocks(packed: torch.Tensor, scale: torch.Tensor, gate_up: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """What the kernel's FP8 tensor cores multiply for MXFP4 weights [..., N, K/2] (csrc/megamoe/
-    fp4_weights.cuh): (e4m3 [..., N, K], float32 row scales [..., N, K/128]). Per row and 128-wide
-    k-block with largest E8M0 code m, the row scale is 2^(m - 133) and group g's values are the codes
-    times 2^(s_g - m + 6), rounded to nearest even in e4m3: exact where the k-block's scales span at
-    most 2^14. The weight is then q x row_scale, per k-block."""
+    fp4_weights.cuh): (e4m3 [..., N, K], float32 scales [..., N, K/128], each row its block's). The
+    kernel folds per 128-row block of its layout and 128-wide k-block: with m the block's largest E8M0
+    code there, the block's scale is 2^(m - 133) and group g's values are the codes times
+    2^(s_g - m + 6), rounded to nearest even in e4m3: exact where the block's scales span at most
+    2^14. The weight is then q x scale, per k-block.
+    Its blocks: w2's 128 consecutive rows; with `gate_up` (w13: N/2 gate rows, then N/2 up rows),
+    gate rows [64b, 64b + 64) with up rows [N/2 + 64b, N/2 + 64b + 64), as weights.transform_weights
+    interleaves them."""
     values = unpack_e2m1(packed)
     bits = scale_bits(scale).to(torch.int32)
     *lead, rows, groups = bits.shape
     per_block = _FP8_BLOCK // MXFP4_GROUP
-    by_block = bits.reshape(*lead, rows, groups // per_block, per_block)
-    top = by_block.amax(dim=-1)
+    k_blocks = groups // per_block
+    by_block = bits.reshape(*lead, rows, k_blocks, per_block)
+    row_top = by_block.amax(dim=-1)  # [..., N, K/128]
+    if gate_up:
+        halves = row_top.unflatten(-2, (2, rows // _FP8_BLOCK, _FP8_BLOCK // 2))
+        top = halves.amax(dim=(-4, -2), keepdim=True).expand_as(halves).reshape(row_top.shape)
+    else:
+        blocks = row_top.unflatten(-2, (rows // _FP8_BLOCK, _FP8_BLOCK))
+        top = blocks.amax(dim=-2, keepdim=True).expand_as(blocks).reshape(row_top.shape)
     shift = by_block - top.unsqueeze(-1) + _TOP_SHIFT
     shifted = values.reshape(*lead, rows, groups, MXFP4_GROUP) * torch.ldexp(
         torch.ones_like(shift, dtype=torch.float32), shift).reshape(*lead, rows, groups, 1)
     q = shifted.reshape(values.shape).to(torch.float8_e4m3fn)
-    row_scale = torch.ldexp(torch.ones_like(top, dtype=torch.float32), top - _E8M0_BIAS - _TOP_SHIFT)
-    return q, torch.where(top == _E8M0_NAN, torch.full_like(row_scale, float("nan")), row_scale)
+    block_scale = torch.ldexp(torch.ones_like(top, dtype=torch.float32), top - _E8M0_BIAS - _TOP_SHIFT)
+    return q, torch.where(top == _E8M0_NAN, torch.full_like(block_scale, float("nan")), block_scale)

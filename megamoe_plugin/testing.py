@@ -47,7 +47,7 @@ def random_mxfp4_layer(num_local_experts: int, hidden: int, intermediate: int, d
                        wide_groups: bool = False) -> Layer:
     """A random layer of MXFP4 experts (mxfp4.quantize_mxfp4): Gaussian weights whose 32-wide groups'
     scales spread over 2^-4..2^4, as in LLM checkpoints; with wide_groups one group in 16 lies a further
-    2^-13 down, so that some k-blocks span more than the 2^14 that the kernel folds exactly."""
+    2^-13 down, so that some blocks' k-blocks span more than the 2^14 that the kernel folds exactly."""
     from .mxfp4 import MXFP4_GROUP, quantize_mxfp4
 
     def weight(rows: int, cols: int):
@@ -167,12 +167,12 @@ def fp8_tensor_core_l1(x: torch.Tensor, x_sf: torch.Tensor, w: torch.Tensor, w_s
     kernel L1 computes the same way.
     k_chunk < 128 sums each k-block from float32 partial GEMMs of k_chunk columns (the
     accumulator promoted to float32 more often).
-    MXFP4 weights (uint8 codes) are multiplied as the kernel folds them (mxfp4.fold_rows): e4m3
-    values with one scale per weight row and k-block."""
-    from .mxfp4 import fold_rows
+    MXFP4 weights (uint8 codes, w = an expert's w13) are multiplied as the kernel folds them
+    (mxfp4.fold_blocks): e4m3 values with one scale per 128-row block of the kernel's layout and k-block."""
+    from .mxfp4 import fold_blocks
 
     if w.dtype == torch.uint8:
-        w, row_scales = fold_rows(w, w_sf)
+        w, row_scales = fold_blocks(w, w_sf, gate_up=True)
     else:
         row_scales = w_sf.repeat_interleave(128, 0)  # [N, K/128]: each row its block's scale
     rows = x.shape[0]

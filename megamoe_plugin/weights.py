@@ -22,13 +22,16 @@ Kernel layout produced by `transform_weights` (a pure permutation, bit-exact):
     w2_t, w2_scale_t: the checkpoint tensors, made contiguous.
 MXFP4 (`kernel_layout_shapes` gives every shape), in the kernel's tiles of 256 rows (abi.kBlockN)
 by 128 inputs, each tile's k-block in one piece: its 16 KB of codes one sequential read (TMA), its
-1 KB of scales one bulk copy, both at the same tile index (csrc/megamoe/pipeline.cuh load_b):
+1 KB of scales and 16 bytes of their largest per 128-row block one bulk copy, both at the same tile
+index (csrc/megamoe/pipeline.cuh load_b):
     w13_t       uint8 [E_l, 2I/256, H/128, 256, 64]: [e, n, k] is the tile of (interleaved, as
                 above) rows [256n, 256n + 256) and inputs [128k, 128k + 128), row by row, the
                 sign bits within each 4-byte word in the kernel's order (mxfp4.to_kernel_codes).
-    w13_scale_t uint8 [E_l, 2I/256, H/128, 256, 4]: the same tiles of the rows' E8M0 codes.
+    w13_scale_t uint8 [E_l, 2I/256, H/128, 260, 4]: the same tiles of the rows' E8M0 codes, then
+                16 bytes: the largest code of the tile's rows [0, 128) and of [128, 256) in bytes 0
+                and 1 (abi.kFp4BlockCodeBytes; the kernel folds each such block by it), the rest 0.
     w2_t        uint8 [E_l, ceil(H/256), I/128, 256, 64]: the same tiles of w2's rows,
-    w2_scale_t  uint8 [E_l, ceil(H/256), I/128, 256, 4]   and of their scales.
+    w2_scale_t  uint8 [E_l, ceil(H/256), I/128, 260, 4]   and of their scales.
 Rows past H (a last tile of fewer rows) are zero: the tiles past H read them and drop their outputs.
 
 Why this layout:
@@ -72,15 +75,16 @@ def kernel_layout_shapes(weights: str, num_local_experts: int, hidden: int, inte
     el, h, i = num_local_experts, hidden, intermediate
     if weights == "mxfp4":
         per_row, rows = abi.kFp4ScaleBytesPerRow, abi.kBlockN
+        scale_rows = rows + abi.kFp4BlockCodeBytes // per_row  # the rows', then their blocks' largest
         padded_h = -(-h // rows) * rows
         return {"w13": ((el, 2 * i // rows, h // BLOCK, rows, BLOCK // 2), torch.uint8,
                         f"[E_local, 2I/{rows}, H/128, {rows}, 64]"),
-                "w13_scale": ((el, 2 * i // rows, h // BLOCK, rows, per_row), torch.uint8,
-                              f"[E_local, 2I/{rows}, H/128, {rows}, {per_row}]"),
+                "w13_scale": ((el, 2 * i // rows, h // BLOCK, scale_rows, per_row), torch.uint8,
+                              f"[E_local, 2I/{rows}, H/128, {scale_rows}, {per_row}]"),
                 "w2": ((el, padded_h // rows, i // BLOCK, rows, BLOCK // 2), torch.uint8,
                        f"[E_local, ceil(H/{rows}), I/128, {rows}, 64]"),
-                "w2_scale": ((el, padded_h // rows, i // BLOCK, rows, per_row), torch.uint8,
-                             f"[E_local, ceil(H/{rows}), I/128, {rows}, {per_row}]")}
+                "w2_scale": ((el, padded_h // rows, i // BLOCK, scale_rows, per_row), torch.uint8,
+                             f"[E_local, ceil(H/{rows}), I/128, {scale_rows}, {per_row}]")}
     return {"w13": ((el, 2 * i, h), FP8_DTYPE, "[E_local, 2I, H]"),
             "w13_scale": ((el, i // BLOCK, 2, h // BLOCK), torch.float32, "[E_local, I/128, 2, H/128]"),
             "w2": ((el, h, i), FP8_DTYPE, "[E_local, H, I]"),
@@ -95,6 +99,17 @@ def _in_tiles(rows: torch.Tensor, chunk: int) -> torch.Tensor:
     padded = torch.zeros((e, -(-n // tile_rows) * tile_rows, columns), dtype=torch.uint8, device=rows.device)
     padded[:, :n] = rows
     return padded.reshape(e, -1, tile_rows, columns // chunk, chunk).transpose(2, 3).contiguous()
+
+
+def _with_block_largest(scale_tiles: torch.Tensor) -> torch.Tensor:
+    """MXFP4 scale tiles [E, T, KB, 256, 4] -> [E, T, KB, 260, 4]: each tile's k-block followed by the
+    largest code of its rows [0, 128) and [128, 256) in bytes 0 and 1 of 16 (abi.kFp4BlockCodeBytes)."""
+    e, t, kb, rows, per_row = scale_tiles.shape
+    blocks = rows // BLOCK  # a math warpgroup converts one block of 128 rows
+    largest = scale_tiles.reshape(e, t, kb, blocks, BLOCK * per_row).amax(dim=-1)  # [E, T, KB, 2]
+    record = torch.zeros((e, t, kb, abi.kFp4BlockCodeBytes), dtype=torch.uint8, device=scale_tiles.device)
+    record[..., :blocks] = largest
+    return torch.cat([scale_tiles, record.view(e, t, kb, -1, per_row)], dim=3).contiguous()
 
 
 def _from_tiles(tiles: torch.Tensor, rows: int) -> torch.Tensor:
@@ -266,10 +281,13 @@ def transform_weights(l1: WeightPair, l2: WeightPair,
                 .transpose(1, 2).reshape(num_local_experts, 2 * intermediate, columns).contiguous())
 
     if packed:
+        for scale, name in ((w13_scale, "w13_scale"), (w2_scale, "w2_scale")):
+            mxfp4.check_no_nan_scales(scale, f"MXFP4 scales {name}")
         per_row = abi.kFp4ScaleBytesPerRow
         return ((_in_tiles(interleave(mxfp4.to_kernel_codes(w13)), BLOCK // 2),
-                 _in_tiles(interleave(mxfp4.scale_bits(w13_scale)), per_row)),
-                (_in_tiles(mxfp4.to_kernel_codes(w2), BLOCK // 2), _in_tiles(mxfp4.scale_bits(w2_scale), per_row)))
+                 _with_block_largest(_in_tiles(interleave(mxfp4.scale_bits(w13_scale)), per_row))),
+                (_in_tiles(mxfp4.to_kernel_codes(w2), BLOCK // 2),
+                 _with_block_largest(_in_tiles(mxfp4.scale_bits(w2_scale), per_row))))
     w13_t = interleave(w13)
     # [E, (gate|up), I/128, H/128] -> [E, I/128, (gate|up), H/128]
     w13_scale_t = (w13_scale.reshape(num_local_experts, 2, intermediate // BLOCK, hidden // BLOCK)
@@ -324,9 +342,10 @@ def untransform_weights(l1: WeightPair, l2: WeightPair) -> Tuple[WeightPair, Wei
                 .transpose(1, 2).reshape(num_local_experts, 2 * intermediate, columns).contiguous())
 
     if weight_format(w13_t) == "mxfp4":
+        tile_rows = abi.kBlockN  # the scale tiles' rows, without their blocks' largest codes after them
         return ((mxfp4.from_kernel_codes(deinterleave(_from_tiles(w13_t, 2 * intermediate))),
-                 deinterleave(_from_tiles(w13_scale_t, 2 * intermediate))),
-                (mxfp4.from_kernel_codes(_from_tiles(w2, hidden)), _from_tiles(w2_scale, hidden)))
+                 deinterleave(_from_tiles(w13_scale_t[..., :tile_rows, :], 2 * intermediate))),
+                (mxfp4.from_kernel_codes(_from_tiles(w2, hidden)), _from_tiles(w2_scale[..., :tile_rows, :], hidden)))
     w13 = deinterleave(w13_t)
     w13_scale = (w13_scale_t.transpose(1, 2)
                  .reshape(num_local_experts, 2 * intermediate // BLOCK, hidden // BLOCK).contiguous())

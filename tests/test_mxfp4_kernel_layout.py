@@ -11,7 +11,7 @@ from megamoe_plugin.heuristics import (MIN_STAGES, default_num_stages, implement
 from megamoe_plugin.jit.cli import parser
 from megamoe_plugin.jit.command import build_command
 from megamoe_plugin.model_config import MoEShape
-from megamoe_plugin.mxfp4 import MXFP4_GROUP, fold_rows, from_kernel_codes, to_kernel_codes
+from megamoe_plugin.mxfp4 import MXFP4_GROUP, fold_blocks, from_kernel_codes, to_kernel_codes
 from megamoe_plugin.variants import build_variants_for, variant_for
 from megamoe_plugin.weights import kernel_layout_shapes, transform_weights, untransform_weights
 
@@ -38,7 +38,7 @@ def test_transform_round_trip_and_layout(hidden, inter):
     assert torch.equal(s13_t[1, 0, 1, 11], s13[1, inter + 3, 4:8])
     assert torch.equal(s2_t[2, 0, 0, 5], s2[2, 5, 0:4])
     if hidden % 256:  # w2's rows past H in its last tile
-        assert int(w2_t[:, -1, :, hidden % 256:].sum()) == 0 and int(s2_t[:, -1, :, hidden % 256:].sum()) == 0
+        assert int(w2_t[:, -1, :, hidden % 256:].sum()) == 0 and int(s2_t[:, -1, :, hidden % 256:256].sum()) == 0
     (a, b), (c, d) = untransform_weights((w13_t, s13_t), (w2_t, s2_t))
     assert torch.equal(a, w13) and torch.equal(b, s13) and torch.equal(c, w2) and torch.equal(d, s2)
 
@@ -142,17 +142,18 @@ def _byte_perm(a: int, b: int, selector: int) -> int:
 
 def test_the_kernel_word_conversion_on_the_kernel_order_gives_the_folded_e4m3_bytes():
     """fp4_convert_word and fp4_e4m3_table_normal (csrc/megamoe/fp4_weights.cuh) written out on the
-    codes transform_weights makes: each row's k-block equals mxfp4.fold_rows' e4m3 bytes. (The GPU
+    codes transform_weights makes, folded by their 128-row block's largest scale: each row's k-block
+    equals mxfp4.fold_blocks' e4m3 bytes. (The GPU
     suite checks the kernel itself.)"""
     gen = torch.Generator().manual_seed(11)
-    rows = 64
+    rows = 128  # one block of w2 rows
     codes = torch.randint(0, 256, (rows, 64), dtype=torch.uint8, generator=gen)
     scales = torch.randint(120, 132, (rows, 4), dtype=torch.uint8, generator=gen)  # spans <= 2^11: the normal table
-    want = fold_rows(codes, scales)[0].view(torch.uint8)
+    want = fold_blocks(codes, scales, gate_up=False)[0].view(torch.uint8)
     words = to_kernel_codes(codes).view(torch.int32).tolist()
     mask = 0xFFFFFFFF
+    top = int(scales.max())
     for row in range(rows):
-        top = int(scales[row].max())
         got = []
         for w, word in enumerate(words[row]):
             word &= mask
@@ -164,3 +165,38 @@ def test_the_kernel_word_conversion_on_the_kernel_order_gives_the_folded_e4m3_by
             high = _byte_perm(*table, high_half) | ((word << 4) & 0x80808080)
             got += [low >> 8 * i & 0xFF for i in range(4)] + [high >> 8 * i & 0xFF for i in range(4)]
         assert got == want[row].tolist(), row
+
+
+def test_each_scale_tile_ends_with_its_blocks_largest_codes_which_the_reference_folds_by():
+    """transform_weights stores after each scale tile's k-block the largest code of its rows [0, 128)
+    and [128, 256), the block a math warpgroup converts and folds by; mxfp4.fold_blocks (the
+    FP8-tensor-core reference's fold) takes each row's scale from the same rows: for w13, 64 gate and
+    64 up rows interleaved in runs of 8; for w2, 128 consecutive rows."""
+    gen = torch.Generator().manual_seed(5)
+    experts, hidden, inter = 2, 384, 384  # w2's last tile: rows [256, 384) and 128 padding rows
+    w13, s13 = _mxfp4(gen, experts, 2 * inter, hidden)
+    w2, s2 = _mxfp4(gen, experts, hidden, inter)
+    (_, s13_t), (_, s2_t) = transform_weights((w13, s13), (w2, s2))
+    for scales, kernel_scales, gate_up, rows in ((s13, s13_t, True, 2 * inter), (s2, s2_t, False, hidden)):
+        tiles, record = kernel_scales[..., :256, :], kernel_scales[..., 256:, :].flatten(-2)
+        assert record.shape[-1] == abi.kFp4BlockCodeBytes and not record[..., 2:].any()
+        assert torch.equal(record[..., :2], tiles.unflatten(3, (2, 128)).amax(dim=(4, 5)))
+        packed = torch.zeros(*scales.shape[:2], scales.shape[2] * MXFP4_GROUP // 2, dtype=torch.uint8)
+        block_scale = fold_blocks(packed, scales, gate_up)[1]  # [E, N, K/128], each row its block's
+        top = record[..., :2].permute(0, 1, 3, 2).flatten(1, 2).to(torch.int32)  # [E, N/128, K/128]
+        want = torch.ldexp(torch.ones_like(top, dtype=torch.float32), top - 133)
+        for row in range(rows):
+            run, within = divmod(row, 16)  # kernel row -> checkpoint row (weights.py docstring)
+            source = (8 * run + within if within < 8 else inter + 8 * run + within - 8) if gate_up else row
+            assert torch.equal(block_scale[:, source], want[:, row // 128]), row
+
+
+def test_nan_scales_are_refused_by_name():
+    """E8M0's NaN code cannot stay one group's in the kernel's fold (its whole 128-row block's scale
+    would be NaN), so transform_weights refuses it."""
+    gen = torch.Generator().manual_seed(6)
+    w13, s13 = _mxfp4(gen, 1, 256, 128)
+    w2, s2 = _mxfp4(gen, 1, 128, 128)
+    s2[0, 7, 1] = 255
+    with pytest.raises(ValueError, match=r"MXFP4 scales w2_scale hold the E8M0 NaN code"):
+        transform_weights((w13, s13), (w2, s2))

@@ -63,6 +63,7 @@ std::map<std::string, int64_t> constants() {
   MEGAMOE_EXPORT(kSmemAlignSlack)
   MEGAMOE_EXPORT(kFp4GroupSize)
   MEGAMOE_EXPORT(kFp4ScaleBytesPerRow)
+  MEGAMOE_EXPORT(kFp4BlockCodeBytes)
 #undef MEGAMOE_EXPORT
   return c;
 }
@@ -80,7 +81,7 @@ std::map<std::string, int> smem_plan(int block_m, int num_stages, int num_local_
   const megamoe::SmemPlan s = megamoe::smem_plan(block_m, num_stages, num_local_experts, exact, fp4);
   return {{"amax_exchange", s.amax_exchange}, {"tables", s.tables}, {"quad_lines", s.quad_lines},
           {"l1_token_scales", s.l1_token_scales}, {"l1_tokens", s.l1_tokens},
-          {"fp4_row_scales", s.fp4_row_scales}, {"fp4_tile", s.fp4_tile}, {"stages", s.stages},
+          {"fp4_tile", s.fp4_tile}, {"stages", s.stages},
           {"stage", s.stage}, {"bytes", s.bytes}, {"min_stages", s.min_stages}};
 }
 

@@ -124,24 +124,29 @@ constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
 // starts at the tile's first row rounded down to 16 bytes.
 // MXFP4 weights (fp4 below; fp4_weights.cuh): the B tile holds the packed E2M1 codes (kBlockN x
 // kBlockK / 2 bytes, 64B swizzle) and, after the token scales, the rows' E8M0 scales of the k-block
-// (kBlockN x 4 bytes); the math warpgroups convert it into an FP8 tile outside the ring (SmemPlan
-// fp4_tile), so a stage carries half the weight bytes and more stages fit.
+// (kBlockN x 4 bytes) and the largest of them in each 128-row block (kFp4BlockCodeBytes); the math
+// warpgroups convert it into an FP8 tile outside the ring (SmemPlan fp4_tile), so a stage carries half
+// the weight bytes and more stages fit.
 constexpr int kFp4GroupSize = 32;  // input elements per E8M0 scale
 constexpr int kFp4ScaleBytesPerRow = kBlockK / kFp4GroupSize;  // a weight row's scales of one k-block
+// After a tile's rows' scales of a k-block, the largest E8M0 code of each of its 128-row blocks (byte b:
+// block b; transform_weights computes them), by which the kernel folds the block (fp4_weights.cuh):
+// 16 bytes, the bulk copy's unit.
+constexpr int kFp4BlockCodeBytes = 16;
 constexpr int stage_scale_floats(int block_m) { return block_m + 4; }
 constexpr int stage_b_bytes(bool fp4) { return fp4 ? kBlockN * kBlockK / 2 : kBlockN * kBlockK; }
-constexpr int stage_weight_scale_bytes(bool fp4) { return fp4 ? kBlockN * kFp4ScaleBytesPerRow : 0; }
+constexpr int stage_weight_scale_bytes(bool fp4) {
+  return fp4 ? kBlockN * kFp4ScaleBytesPerRow + kFp4BlockCodeBytes : 0;
+}
 constexpr int stage_bytes(int block_m, bool fp4) {
   return align_up(block_m * kBlockK + stage_b_bytes(fp4) + 4 * stage_scale_floats(block_m) +
                       stage_weight_scale_bytes(fp4), 1024);
 }
-// MXFP4 weights: the converted FP8 tiles (kBlockN x kBlockK, 128B swizzle) and their rows' scales
-// (float). Two at BLOCK_M 64 and 128, whose main loop converts the next k-block into one while the
+// MXFP4 weights: the converted FP8 tiles (kBlockN x kBlockK, 128B swizzle). Two at BLOCK_M 64 and 128, whose main loop converts the next k-block into one while the
 // WGMMAs of the current k-block read the other; one in swap-AB (BLOCK_M 8-32), whose loop is bound
 // by the conversion itself, so that the shared memory goes to stages (bytes in flight) instead.
 constexpr int fp4_tiles(int block_m, bool fp4) { return fp4 ? (block_m >= 64 ? 2 : 1) : 0; }
 constexpr int fp4_tile_bytes(int block_m, bool fp4) { return fp4_tiles(block_m, fp4) * kBlockN * kBlockK; }
-constexpr int fp4_row_scale_bytes(int block_m, bool fp4) { return fp4_tiles(block_m, fp4) * kBlockN * 4; }
 // The fewest pipeline stages a variant runs with: 3 where the main loop converts MXFP4 weights into
 // two tiles, since it waits for the next k-block's stage while holding the current one and the one
 // before (whose last WGMMAs are still in flight); else 2, so that the producer fills one stage while
@@ -156,7 +161,7 @@ constexpr int quad_line_bytes(int block_m, bool exact) { return (block_m < 64 ||
 constexpr int l1_token_bytes(int block_m, bool exact) { return exact ? block_m * kBlockK * 2 : 0; }
 
 struct SmemPlan {
-  int amax_exchange, tables, quad_lines, l1_token_scales, l1_tokens, fp4_row_scales, fp4_tile, stages;
+  int amax_exchange, tables, quad_lines, l1_token_scales, l1_tokens, fp4_tile, stages;
   int stage;  // bytes of one pipeline stage
   int bytes;  // sizeof(SharedStorage), without kSmemAlignSlack
   int min_stages;  // min_stages(block_m, fp4)
@@ -169,8 +174,7 @@ constexpr SmemPlan smem_plan(int block_m, int num_stages, int num_local_experts,
   s.quad_lines = align_up(s.tables + (3 * num_local_experts + 1) * 4, 16);  // int [3 E_l + 1]
   s.l1_token_scales = s.quad_lines + quad_line_bytes(block_m, exact);
   s.l1_tokens = align_up(s.l1_token_scales + (exact ? 2 * block_m * 4 : 0), 1024);  // float [2][BLOCK_M]
-  s.fp4_row_scales = s.l1_tokens + 2 * l1_token_bytes(block_m, exact);  // float [tiles][kBlockN]
-  s.fp4_tile = align_up(s.fp4_row_scales + fp4_row_scale_bytes(block_m, fp4), 1024);
+  s.fp4_tile = align_up(s.l1_tokens + 2 * l1_token_bytes(block_m, exact), 1024);
   s.stages = s.fp4_tile + fp4_tile_bytes(block_m, fp4);
   s.stage = stage_bytes(block_m, fp4);
   s.bytes = s.stages + num_stages * s.stage;

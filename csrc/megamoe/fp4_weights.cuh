@@ -1,16 +1,20 @@
 // MXFP4 expert weights on FP8 tensor cores (docs/design.md section 2, "FP4 experts"). A stage carries
 // a tile's packed E2M1 codes (kBlockN rows x 64 bytes per k-block, 64B swizzle) and the rows' E8M0
 // scales of the k-block (4 bytes per row, group g in byte g); each math warpgroup turns its 128 rows
-// into an e4m3 tile in the 128B-swizzled layout its WGMMAs read (what TMA writes for FP8 weights) and
-// one float scale per row, which the promotion applies as FP8 weights' block scale.
+// (one 128-row block of the weights' kernel layout) into an e4m3 tile in the 128B-swizzled layout its
+// WGMMAs read (what TMA writes for FP8 weights) and one float scale for the block, which the promotion
+// applies as FP8 weights' block scale: one multiply-add per accumulator, as with FP8 weights (a scale
+// per row cost a second multiply per accumulator, about a fifth of prefill's time on an H100).
 //
-// The fold: a row's k-block has 4 groups of 32 elements with scales 2^(s_g - 127). With m the largest
-// s_g, the row's scale is 2^(m - 133) and group g's codes become code x 2^(s_g - m + 6) in e4m3. An
-// E2M1 value times 2^d is exact in e4m3 for d in [-8, 6] (6 x 2^6 = 384 <= 448; 0.5 x 2^-8 = 2^-9,
-// e4m3's least subnormal), so a row whose k-block's scales span at most 2^14 converts exactly. A group
-// whose scale lies further below the row's largest (d < -8) is rounded to nearest even among e4m3's
-// subnormals (all zero for d < -12): an error of at most 2^-10 of the row's scale, 2^-16 of its largest
-// group's.
+// The fold: a block's k-block has 128 rows x 4 groups of 32 elements with scales 2^(s_g - 127). With m
+// the largest s_g of the block, its scale is 2^(m - 133) and group g's codes become code x
+// 2^(s_g - m + 6) in e4m3. An E2M1 value times 2^d is exact in e4m3 for d in [-8, 6] (6 x 2^6 = 384 <=
+// 448; 0.5 x 2^-8 = 2^-9, e4m3's least subnormal), so a block whose k-block's scales span at most 2^14
+// converts exactly. A group whose scale lies further below the block's largest (d < -8) is rounded to
+// nearest even among e4m3's subnormals (all zero for d < -12): an error of at most 2^-10 of the block's
+// scale, 2^-16 of its largest group's. transform_weights stores each block's largest code beside the
+// rows' (abi.h kFp4BlockCodeBytes), so the fold needs no exchange between threads; it refuses E8M0's NaN
+// code, which would make the whole block's scale NaN here.
 #pragma once
 
 #include <stdint.h>
@@ -19,7 +23,7 @@
 
 namespace megamoe {
 
-constexpr int kFp4RowScaleShift = 6;  // the row scale is 2^(m - 127 - kFp4RowScaleShift)
+constexpr int kFp4FoldShift = 6;  // the block scale is 2^(m - 127 - kFp4FoldShift)
 
 // e4m3 byte, rounded to nearest even, of E2M1 magnitude `magnitude` (0..7: 0, 0.5, 1, 1.5, 2, 3,
 // 4, 6) times 2^d, for d <= 6. The slow path of fp4_e4m3_table.
@@ -86,37 +90,44 @@ __device__ __forceinline__ uint2 fp4_convert_word(uint32_t codes, uint2 table) {
                     fp4_prmt(table, high_half) | ((codes << 4) & 0x80808080u));
 }
 
-// Converts weight row `row` (0..kBlockN) of a stage's packed tile and scales into `tile` (kBlockN x
-// 128 e4m3, 128B swizzle) and row_scales[row]. One thread per row. The row's four 16-byte loads are
-// issued before any store (the compiler cannot move a load past a store that may alias it), and the
-// slow table path is one branch per row, taken only where a group lies more than 2^5 below the row's
-// largest: so the loads overlap and the 16 word conversions are independent of each other.
-__device__ __forceinline__ void fp4_convert_row(const uint8_t* __restrict__ packed,
-                                                const uint32_t* __restrict__ scale_codes, uint8_t* __restrict__ tile,
-                                                float* __restrict__ row_scales, int row) {
+// The largest E8M0 code of 128-row block `block` (0, 1) of a stage's tile, which transform_weights
+// stores after the rows' codes (abi.h kFp4BlockCodeBytes).
+__device__ __forceinline__ int fp4_block_largest(const uint32_t* scale_codes, int block) {
+  return reinterpret_cast<const uint8_t*>(scale_codes + kBlockN)[block];
+}
+
+// The scale of a block whose largest code is m: 2^(m - 133) by its bits (exponent field m - 6; a
+// subnormal below m = 7).
+__device__ __forceinline__ float fp4_block_scale(int m) {
+  const int exponent = m - 127 - kFp4FoldShift;
+  return __int_as_float(exponent >= -126 ? (exponent + 127) << 23 : 1 << (exponent + 149));
+}
+
+// Converts weight row `row` (0..kBlockN) of a stage's packed tile, whose four E8M0 codes are `codes`,
+// into `tile` (kBlockN x 128 e4m3, 128B swizzle), folded by its block's largest code `largest`. One
+// thread per row. The row's four 16-byte loads are issued before any store (the compiler cannot move a
+// load past a store that may alias it), and the slow table path is one branch per row, taken only where
+// a group lies more than 2^11 below the block's largest: so the loads overlap and the 16 word
+// conversions are independent of each other.
+__device__ __forceinline__ void fp4_convert_row(const uint8_t* __restrict__ packed, uint32_t codes, int largest,
+                                                uint8_t* __restrict__ tile, int row) {
   constexpr int kGroups = kBlockK / kFp4GroupSize;
-  const uint32_t codes = scale_codes[row];
   const uint8_t* src = packed + row * (kBlockK / 2);
   uint4 in[kGroups];
 #pragma unroll
   for (int g = 0; g < kGroups; ++g)  // 64B swizzle: the row's 16-byte chunk g lies at chunk g ^ ((row >> 1) & 3)
     in[g] = *reinterpret_cast<const uint4*>(src + 16 * (g ^ ((row >> 1) & 3)));
   const int s0 = codes & 0xFF, s1 = (codes >> 8) & 0xFF, s2 = (codes >> 16) & 0xFF, s3 = codes >> 24;
-  const int m = max(max(s0, s1), max(s2, s3));
-  // 2^(m - 133) by its bits (exponent field m - 6; a subnormal below m = 7), NaN for E8M0's NaN code 255.
-  const int exponent = m - 127 - kFp4RowScaleShift;
-  row_scales[row] = m == 255 ? __int_as_float(0x7FC00000)
-                             : __int_as_float(exponent >= -126 ? (exponent + 127) << 23 : 1 << (exponent + 149));
   uint2 table[kGroups];
-  const int least = min(min(s0, s1), min(s2, s3)) - m + kFp4RowScaleShift;
+  const int least = min(min(s0, s1), min(s2, s3)) - largest + kFp4FoldShift;
   if (least >= -5) {
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) table[g] = fp4_e4m3_table_normal(static_cast<int>((codes >> (8 * g)) & 0xFF) - m +
-                                                                       kFp4RowScaleShift);
+    for (int g = 0; g < kGroups; ++g) table[g] = fp4_e4m3_table_normal(static_cast<int>((codes >> (8 * g)) & 0xFF) -
+                                                                       largest + kFp4FoldShift);
   } else {
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) table[g] = fp4_e4m3_table(static_cast<int>((codes >> (8 * g)) & 0xFF) - m +
-                                                                kFp4RowScaleShift);
+    for (int g = 0; g < kGroups; ++g) table[g] = fp4_e4m3_table(static_cast<int>((codes >> (8 * g)) & 0xFF) -
+                                                                largest + kFp4FoldShift);
   }
   uint8_t* dst = tile + row * kBlockK;
 #pragma unroll

@@ -164,12 +164,15 @@ __device__ __forceinline__ void fp4_tile_written(int wg) {
   fp4_tile_barrier<Cfg>(wg);
 }
 
-// MXFP4 weights (fp4_weights.cuh): this warpgroup's 128 rows of stage `stage` converted at once into
-// FP8 tile `tile` (StageView fp4_tile) and their scales (thread t of the warpgroup: row 128 wg + t).
+// MXFP4 weights (fp4_weights.cuh): this warpgroup's 128 rows of stage `stage` (thread t of the
+// warpgroup: row 128 wg + t), one block of the weights, converted at once into FP8 tile `tile`
+// (StageView fp4_tile), folded by the block's largest code. Returns the block's scale.
 template <class Cfg>
-__device__ __forceinline__ void fp4_convert_stage(const StageView<Cfg>& sv, int stage, int tile, int wg) {
-  fp4_convert_row(sv.b(stage), sv.b_scale_codes(stage), sv.fp4_tile(tile), sv.fp4_row_scales(tile),
-                  wg * Cfg::kWgN + Role::thread_in_warpgroup());
+__device__ __forceinline__ float fp4_convert_stage(const StageView<Cfg>& sv, int stage, int tile, int wg) {
+  const uint32_t* codes = sv.b_scale_codes(stage);
+  const int row = wg * Cfg::kWgN + Role::thread_in_warpgroup(), largest = fp4_block_largest(codes, wg);
+  fp4_convert_row(sv.b(stage), codes[row], largest, sv.fp4_tile(tile), row);
+  return fp4_block_scale(largest);
 }
 
 template <class Cfg, int kNumKBlocks, class WeightScales>
@@ -187,11 +190,10 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
   const int wg = kUniformIndices ? warp_uniform(math_wg) : math_wg;
   const int row0 = Cfg::wg_first_row(wg);
   // The promotion scales of one k-block: the rows' (sa) and the halves' weight blocks (sb; MXFP4
-  // weights: per column, from the converted tile's row scales instead).
+  // weights: the converted tile's block scales, the same for gate and up).
   struct KBlockScales {
     float sa[2];
     float2 sb[kHalves];
-    const float* fp4_row_scales;  // MXFP4 weights: the k-block's converted tile's, one per weight row
   };
   // One flat array: a two-dimensional one makes ptxas spill (exact BLOCK_M 64, fast_math=False).
   float parts[B::kParts * kPartFloats];
@@ -201,16 +203,9 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
     float* to = acc + batch * kPartFloats;
 #pragma unroll
     for (int c = 0; c < kPartFloats / 4; ++c) {
-      if constexpr (Cfg::kFp4Weights) {  // the batch's weight rows b_row + 8c + 2q + {0, 1}
-        const int b_row = Cfg::wg_weight_block(wg, h) * Cfg::kWgN + (batch * B::kBatchRows) % Cfg::kWgN;
-        const float2 sb = *reinterpret_cast<const float2*>(s.fp4_row_scales + b_row + 8 * c + 2 * fc.q);
+      const float sb = (c % 2 == 0) ? s.sb[h].x : s.sb[h].y;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) to[4 * c + i] += from[4 * c + i] * (s.sa[i / 2] * (i % 2 == 0 ? sb.x : sb.y));
-      } else {
-        const float sb = (c % 2 == 0) ? s.sb[h].x : s.sb[h].y;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) to[4 * c + i] += from[4 * c + i] * (s.sa[i / 2] * sb);
-      }
+      for (int i = 0; i < 4; ++i) to[4 * c + i] += from[4 * c + i] * (s.sa[i / 2] * sb);
     }
   };
   // Every math thread arrives once its own reads of the stage (WGMMA operands, token scales) are
@@ -245,8 +240,12 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
     PipelineState next = ps;
     next.advance<Cfg::kNumStages>();
     const bool convert_next = Cfg::kFp4Weights && kb + 1 < kNumKBlocks;
-    if constexpr (Cfg::kFp4Weights) {
-      cur.fp4_row_scales = sv.fp4_row_scales(kb & 1);
+    if constexpr (Cfg::kFp4Weights) {  // this k-block's stage is full: waited for in the one before
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        const float sb = fp4_block_scale(fp4_block_largest(sv.b_scale_codes(ps.stage), Cfg::wg_weight_block(wg, h)));
+        cur.sb[h] = make_float2(sb, sb);
+      }
       if (convert_next && !wait_stage_full<Cfg>(p, full, next, full_wait)) {  // waited for here, where the failure path is the FP8 loop's
         cute::warpgroup_wait<0>();
         return false;
@@ -318,10 +317,10 @@ __device__ __forceinline__ bool mma_tile(const KernelParams& p, const StageView<
 // weight row 64i + r0, tokens 8c + 2q + {0,1}; acc[i][4c + {2,3}] = weight row 64i + r0 + 8.
 // Promotion scales: per token (from the stage at sf_skew, like mma_tile) and per weight block
 // (`weight_scales(kb, wg)`: .x for rows r0, .y for rows r0 + 8; L2 passes the same scale in both),
-// or with MXFP4 weights per weight row, from the warpgroup's conversion of the stage (fp4_weights.cuh)
-// into its 128 rows of the FP8 tile (StageView fp4_tile, fp4_row_scales). One tile, not one per stage,
-// leaves the shared memory to stages (bytes in flight): the warpgroup's barrier after each k-block
-// keeps the next conversion behind every thread's reads of the last. The conversion bounds this loop,
+// or with MXFP4 weights the warpgroup's block scale, from its conversion of the stage (fp4_weights.cuh)
+// into its 128 rows of the FP8 tile (StageView fp4_tile). One tile, not one per stage, leaves the
+// shared memory to stages (bytes in flight): the warpgroup's barrier after each k-block keeps the
+// next conversion behind every thread's reads of the last. The conversion bounds this loop,
 // not the WGMMAs' latency, so a second tile to overlap the two gains nothing; within the conversion,
 // integer issue is not the bound (docs/design.md 4.10).
 template <class Cfg, int kNumKBlocks, class WeightScales>
@@ -344,14 +343,11 @@ __device__ __forceinline__ void mma_tile_swap(const KernelParams& p, const Stage
     wait_stage_full<Cfg>(p, full, ps, full_wait);  // swap-AB tiers are never rebalanced: a timeout traps
     const uint8_t* weights = sv.b(ps.stage);
     if constexpr (Cfg::kFp4Weights) {
-      fp4_convert_stage(sv, ps.stage, 0, wg);
+      const float block_scale = fp4_convert_stage(sv, ps.stage, 0, wg);
       fp4_tile_written<Cfg>(wg);
       weights = sv.fp4_tile();
 #pragma unroll
-      for (int i = 0; i < Cfg::kSwapSubTiles; ++i) {
-        const float* rs = sv.fp4_row_scales() + wg * Cfg::kWgN + 64 * i + fc.r0;
-        sb[i] = make_float2(rs[0], rs[8]);
-      }
+      for (int i = 0; i < Cfg::kSwapSubTiles; ++i) sb[i] = make_float2(block_scale, block_scale);
     }
     const float* stage_sa = sv.a_scales(ps.stage) + sf_skew;
     float sa[kChunks][2];

@@ -26,20 +26,16 @@ struct StageView {
   __device__ uint8_t* b(int s) const { return a(s) + Cfg::kStageA; }
   // The A rows' token scales of stage s (Cfg::kStageScaleFloats).
   __device__ float* a_scales(int s) const { return reinterpret_cast<float*>(b(s) + Cfg::kStageB); }
-  // MXFP4 weights: the B rows' E8M0 scales of stage s (one 32-bit word of 4 per row).
+  // MXFP4 weights: the B rows' E8M0 scales of stage s (one 32-bit word of 4 per row), then each
+  // 128-row block's largest (abi.h kFp4BlockCodeBytes; fp4_block_largest reads it).
   __device__ uint32_t* b_scale_codes(int s) const {
     return reinterpret_cast<uint32_t*>(b(s) + Cfg::kStageB + Cfg::kStageScaleBytes);
   }
-  // MXFP4 weights: converted FP8 tile `tile` and its rows' scales (SharedStorage fp4_tile,
-  // fp4_row_scales), at constant offsets from the stages (no further pointer kept live).
+  // MXFP4 weights: converted FP8 tile `tile` (SharedStorage fp4_tile), at a constant offset from the
+  // stages (no further pointer kept live).
   __device__ uint8_t* fp4_tile(int tile = 0) const {
     return stages + (static_cast<int>(offsetof(SharedStorage<Cfg>, fp4_tile)) -
                      static_cast<int>(offsetof(SharedStorage<Cfg>, stages))) + tile * kBlockN * kBlockK;
-  }
-  __device__ float* fp4_row_scales(int tile = 0) const {
-    return reinterpret_cast<float*>(stages + (static_cast<int>(offsetof(SharedStorage<Cfg>, fp4_row_scales)) -
-                                              static_cast<int>(offsetof(SharedStorage<Cfg>, stages)))) +
-           tile * kBlockN;
   }
 };
 

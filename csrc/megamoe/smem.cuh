@@ -49,9 +49,8 @@ struct SharedStorage {
   float l1_token_scales[2][Cfg::kExactL1 ? Cfg::kBlockM : 0];
   alignas(1024) uint8_t l1_tokens[2][Cfg::kL1TokenBytes];
   // MXFP4 weights only (zero-length otherwise): the FP8 tiles the math warpgroups convert a stage's
-  // packed codes into (kBlockN x 128 K, 128B swizzle, each warpgroup converting 128 rows) and their
-  // rows' scales (fp4_weights.cuh; abi.h fp4_tiles says how many).
-  float fp4_row_scales[fp4_row_scale_bytes(Cfg::kBlockM, Cfg::kFp4Weights) / 4];
+  // packed codes into (kBlockN x 128 K, 128B swizzle, each warpgroup converting 128 rows; abi.h
+  // fp4_tiles says how many).
   alignas(1024) uint8_t fp4_tile[fp4_tile_bytes(Cfg::kBlockM, Cfg::kFp4Weights)];
   // The pipeline's stages, each an A tile (BLOCK_M x 128 K), a B tile (256 x 128 K) and the A rows'
   // token scales (config.cuh kStageScaleFloats), 1024-aligned for the 128B swizzle. The dispatch phases alias them as int scratch (Cfg::kScratchInts).
@@ -108,7 +107,6 @@ struct SmemPlanCheck {
   static_assert(offsetof(S, quad_lines) == kPlan.quad_lines, "abi.h smem_plan: quad_lines");
   static_assert(offsetof(S, l1_token_scales) == kPlan.l1_token_scales, "abi.h smem_plan: l1_token_scales");
   static_assert(offsetof(S, l1_tokens) == kPlan.l1_tokens, "abi.h smem_plan: l1_tokens");
-  static_assert(offsetof(S, fp4_row_scales) == kPlan.fp4_row_scales, "abi.h smem_plan: fp4_row_scales");
   static_assert(offsetof(S, fp4_tile) == kPlan.fp4_tile, "abi.h smem_plan: fp4_tile");
   static_assert(offsetof(S, stages) == kPlan.stages, "abi.h smem_plan: stages");
   static_assert(sizeof(S::stages[0]) == kPlan.stage, "abi.h smem_plan: stage");
