@@ -32,11 +32,17 @@ def measure_hbm_bandwidth() -> float:
 
 # GEMMs timed for the FP8 rate: about 30 ms on an H100 or H200, several of GpuClockSampler's readings.
 FP8_RATE_GEMMS = 40
+# GEMMs run back to back before the sustained rate's timed ones: about a second on an H100 or H200,
+# which a power cap takes to settle the clock where long calls run (1500-1800 MHz on an H100 at
+# prefill, against the burst's 1980).
+FP8_SUSTAIN_GEMMS = 1200
 
 
-def measure_fp8_rate(clock: Optional[GpuClockSampler] = None) -> float:
+def measure_fp8_rate(clock: Optional[GpuClockSampler] = None, sustained: bool = False) -> float:
     """FLOP/s of an 8192^3 FP8 GEMM through torch._scaled_mm; `clock` samples the SM clock over the
-    timed GEMMs alone (the setup before them, cuBLAS's first call among it, leaves the GPU idle)."""
+    timed GEMMs alone (the setup before them, cuBLAS's first call among it, leaves the GPU idle).
+    `sustained`: timed after FP8_SUSTAIN_GEMMS untimed ones, the rate at the clock a power cap holds
+    under load, not the burst's."""
     n = 8192
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
@@ -45,7 +51,7 @@ def measure_fp8_rate(clock: Optional[GpuClockSampler] = None) -> float:
     def gemm():
         torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
-    for _ in range(3):
+    for _ in range(FP8_SUSTAIN_GEMMS if sustained else 3):
         gemm()
     torch.cuda.synchronize()
     with clock if clock is not None else contextlib.nullcontext():
