@@ -74,6 +74,14 @@ def _staged_cpu_buffer(num_shared, topk_idx):
     return buf
 
 
+def test_mxfp4_experts_are_compared_alone(capsys):
+    assert vs_vllm.parse_args([]).weights == "fp8" and vs_vllm.parse_args(["--weights", "mxfp4"]).weights == "mxfp4"
+    with pytest.raises(SystemExit) as stop:
+        vs_vllm.parse_args(["--weights", "mxfp4", "--shared-experts", "1"])
+    assert stop.value.code == 2
+    assert "--shared-experts times FP8 experts only (--weights fp8)" in capsys.readouterr().err
+
+
 def test_the_floor_counts_the_shared_experts_weights_and_rows():
     idx = torch.tensor([[0, 1], [1, -1], [-1, -1]])  # 3 tokens, 3 routed rows on experts 0 and 1
     n, routed_rows, routed_experts_hit, num_shared = 3, 3, 2, 2

@@ -142,6 +142,29 @@ def vllm_triton_moe(checkpoint: Dict[str, torch.Tensor]) -> Callable:
     return run
 
 
+def vllm_marlin_mxfp4_moe(checkpoint: Dict[str, torch.Tensor]) -> Callable:
+    """vLLM's Marlin MoE (MXFP4 weights, BF16 activations: the path vLLM takes for MXFP4 experts on
+    Hopper) with these checkpoint weights (uint8 codes, E8M0 scales; w13 = gate rows, then up rows),
+    repacked for it once here."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import prepare_moe_mxfp4_layer_for_marlin
+    from vllm.scalar_type import scalar_types
+
+    w13, w2, w13_scale, w2_scale, _, _ = prepare_moe_mxfp4_layer_for_marlin(
+        SimpleNamespace(params_dtype=torch.bfloat16), checkpoint["w13"], checkpoint["w2"], checkpoint["w13_scale"],
+        checkpoint["w2_scale"], None, None)
+    marlin = functools.partial(fused_marlin_moe, w1=w13, w2=w2, bias1=None, bias2=None, w1_scale=w13_scale,
+                               w2_scale=w2_scale, quant_type_id=scalar_types.float4_e2m1f.id,
+                               global_num_experts=w13.shape[0])
+
+    def run(hidden_states, topk_idx, topk_weights):
+        return marlin(hidden_states, topk_weights=topk_weights, topk_ids=topk_idx.to(torch.int32))
+
+    return run
+
+
 def make_baseline(which: str, checkpoint: Dict[str, torch.Tensor]) -> Tuple[Optional[Callable], str]:
     """(the baseline to time, its name) for --baseline `which` (BASELINES); (None, "none")
     for none. "auto" is vLLM's Triton MoE where vllm is importable, else the torch path."""

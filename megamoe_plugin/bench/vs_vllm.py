@@ -24,8 +24,17 @@ for, which the graph need not keep. The floor counts the shared experts' weights
 slots as the kernel sees them, as megamoe-bench does); errors are against the float32 reference
 with the shared experts.
 
+With --weights mxfp4, MXFP4 experts (E2M1 codes, an E8M0 scale per 32 inputs) timed three ways,
+each one CUDA graph:
+  mxfp4   megamoe reading them at 4 bits (fast numerics)
+  fp8     megamoe on the same weights as block FP8 (mxfp4.to_fp8_blocks): twice the bytes
+  marlin  vLLM's Marlin MoE on them (W4A16: the path vLLM takes for MXFP4 experts on Hopper),
+          repacked for it once (bench/baselines.py vllm_marlin_mxfp4_moe)
+The floor is MXFP4's (half a byte per weight, scales included).
+
     python -m megamoe_plugin.bench.vs_vllm [--tokens 1,8,64,256,512]
         [--hidden 2048 --intermediate-size 768 --num-experts 128 --topk 8] [--shared-experts S]
+        [--weights mxfp4]
 
 A shared-expert shape: DeepSeek-V3's layer as one rank of EP8 holds it, 32 of its 256 experts
 and its one shared expert (all 256 would fit an 80 GB GPU too: 11 GB of FP8 weights, held three
@@ -42,13 +51,15 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 import megamoe_plugin as mm
-from megamoe_plugin.bench.baselines import merge_shared_experts, shared_expert_mlp, vllm_triton_moe
+from megamoe_plugin.bench.baselines import (merge_shared_experts, shared_expert_mlp, vllm_marlin_mxfp4_moe,
+                                            vllm_triton_moe)
 from megamoe_plugin.bench.cli import require_sm90_gpu
-from megamoe_plugin.bench.floors import Ceilings, measure_fp8_rate, measure_hbm_bandwidth, rank_floor
+from megamoe_plugin.bench.floors import (WEIGHT_BYTES_PER_ELEMENT, Ceilings, measure_fp8_rate, measure_hbm_bandwidth,
+                                         rank_floor)
 from megamoe_plugin.fp8 import quantize_per_token_group
 from megamoe_plugin.reference import calc_diff, mega_moe, token_rel_errors
 from megamoe_plugin.serving import SharedExpertsAfterKernel
-from megamoe_plugin.testing import random_layer, random_routing
+from megamoe_plugin.testing import random_layer, random_mxfp4_layer, random_routing
 from megamoe_plugin.timing import graphed, l2_flusher, median_call_seconds
 
 PROG = "python -m megamoe_plugin.bench.vs_vllm"
@@ -70,6 +81,10 @@ def parser() -> argparse.ArgumentParser:
                    help="S shared experts of the routed H and I in the layer: times vLLM's default (the shared MLP "
                         "on its auxiliary stream), megamoe with it on a side stream, and megamoe with them in the "
                         "call (default: %(default)s, the routed layer alone)")
+    p.add_argument("--weights", choices=("fp8", "mxfp4"), default="fp8",
+                   help="the experts' format: fp8 (block FP8; vLLM's Triton fused MoE) or mxfp4 (read at 4 bits in "
+                        "fast numerics; vLLM's Marlin MoE, and megamoe on the same weights as exact FP8 blocks) "
+                        "(default: %(default)s)")
     p.add_argument("--iters", type=int, default=50, help="timed graph replays per point; the median is "
                                                          "reported (default: %(default)s)")
     return p
@@ -81,15 +96,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.shared_experts < 0:
         p.error(f"--shared-experts must be >= 0, got {args.shared_experts}")
+    if args.shared_experts and args.weights == "mxfp4":
+        p.error("--shared-experts times FP8 experts only (--weights fp8)")
     return args
 
 
-def staged_floor(buf, n: int, ceilings: Ceilings) -> float:
+def staged_floor(buf, n: int, ceilings: Ceilings, weights: str = "fp8") -> float:
     """The floor (bench/floors.py rank_floor) of the call staged in `buf`'s first n rows on one GPU,
     from the slots as the kernel sees them: a buffer's shared experts are local experts that every
     token's extra slots name, so their weight reads and FLOPs count as megamoe-bench counts them."""
     return rank_floor([buf.topk_idx[:n].cpu()], 0, 1, buf.hidden, buf.intermediate_size, ceilings,
-                      buf.shape.num_local_experts)[0]
+                      buf.shape.num_local_experts, WEIGHT_BYTES_PER_ELEMENT[weights])[0]
 
 
 def aux_stream_first(main_work: Callable[[], torch.Tensor], aux_work: Callable[[], torch.Tensor],
@@ -136,13 +153,16 @@ def main(argv: Optional[Sequence[str]] = None):
     gen = torch.Generator(device="cuda").manual_seed(7)
     ceilings = Ceilings(measure_hbm_bandwidth(), measure_fp8_rate())
     flush = l2_flusher()
-    layer = random_layer(num_experts, h, inter, "cuda", gen)
-    triton_moe = vllm_triton_moe(layer.checkpoint)
     buf = mm.get_symm_buffer(None, num_experts, max(tokens_list), topk, h, inter)
-    mm.ops.warmup(buf, layer.l1, layer.l2, tokens_list)
     print(f"{torch.cuda.get_device_name()}: copy {ceilings.hbm_bytes_per_s / 1e12:.2f} TB/s, FP8 GEMM "
           f"{ceilings.fp8_flops_per_s / 1e12:.0f} TFLOP/s; H {h} I {inter} E {num_experts} top-{topk}"
           + (f"; {args.shared_experts} shared expert(s)" if args.shared_experts else ""))
+    if args.weights == "mxfp4":
+        _compare_mxfp4(args, tokens_list, buf, ceilings, flush, gen)
+        return
+    layer = random_layer(num_experts, h, inter, "cuda", gen)
+    triton_moe = vllm_triton_moe(layer.checkpoint)
+    mm.ops.warmup(buf, layer.l1, layer.l2, tokens_list)
     if args.shared_experts:
         _compare_with_shared_experts(args, tokens_list, layer, triton_moe, buf, ceilings, flush, gen)
         return
@@ -169,6 +189,50 @@ def main(argv: Optional[Sequence[str]] = None):
         floor = staged_floor(buf, n, ceilings)
         print(f"{n:6d} | {t_mm * 1e6:10.1f} {t_vllm * 1e6:8.1f} {floor * 1e6:8.1f} {t_mm / floor:8.2f} "
               f"{t_vllm / t_mm:7.2f} | " + ", ".join(f"{d:.1e}/{r:.1e}" for d, r in errors), flush=True)
+
+
+def _compare_mxfp4(args, tokens_list: List[int], buf, ceilings: Ceilings, flush, gen) -> None:
+    """The --weights mxfp4 table: megamoe on MXFP4 experts (fast numerics), megamoe on the same
+    weights as FP8 blocks (mxfp4.to_fp8_blocks), and vLLM's Marlin MoE on the MXFP4 weights."""
+    from megamoe_plugin.mxfp4 import to_fp8_blocks
+
+    h, inter, num_experts, topk = args.hidden, args.intermediate_size, args.num_experts, args.topk
+    layer = random_mxfp4_layer(num_experts, h, inter, "cuda", gen)
+    c = layer.checkpoint
+    fp8_l1, fp8_l2 = mm.transform_weights(to_fp8_blocks(c["w13"], c["w13_scale"], exact=False),
+                                          to_fp8_blocks(c["w2"], c["w2_scale"], exact=False))
+    marlin = vllm_marlin_mxfp4_moe(c)
+    mm.ops.warmup(buf, layer.l1, layer.l2, tokens_list, numerics="fast")
+    mm.ops.warmup(buf, fp8_l1, fp8_l2, tokens_list, numerics="fast")
+    print(f"{'tokens':>6s} | {'mxfp4_us':>8s} {'fp8_us':>8s} {'marlin_us':>9s} {'floor_us':>8s} {'mxfp4/floor':>11s} "
+          f"{'fp8/mxfp4':>9s} {'marlin/mxfp4':>12s} | calc_diff and worst-token rel. error vs ref: mxfp4, fp8, marlin")
+    for n in tokens_list:
+        hidden, idx, weights = _inputs(n, h, num_experts, topk, gen)
+        y = torch.full((n, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+        y_fp8 = torch.full((n, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+        def mxfp4():
+            mm.stage_inputs(buf, hidden, idx, weights)
+            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, numerics="fast")
+            return y
+
+        def fp8():
+            mm.stage_inputs(buf, hidden, idx, weights)
+            mm.fp8_mega_moe(y_fp8, fp8_l1, fp8_l2, buf, numerics="fast")
+            return y_fp8
+
+        def vllm():
+            return marlin(hidden, idx, weights)
+
+        paths = {"mxfp4": mxfp4, "fp8": fp8, "marlin": vllm}
+        outputs = {name: fn() for name, fn in paths.items()}
+        ref = _reference(hidden, idx, weights, c, num_experts)
+        errors = [(calc_diff(out, ref), token_rel_errors(out, ref).max().item()) for out in outputs.values()]
+        t = {name: median_call_seconds(graphed(fn), args.iters, flush) for name, fn in paths.items()}
+        floor = staged_floor(buf, n, ceilings, "mxfp4")
+        print(f"{n:6d} | {t['mxfp4'] * 1e6:8.1f} {t['fp8'] * 1e6:8.1f} {t['marlin'] * 1e6:9.1f} {floor * 1e6:8.1f} "
+              f"{t['mxfp4'] / floor:11.2f} {t['fp8'] / t['mxfp4']:9.2f} {t['marlin'] / t['mxfp4']:12.2f} | "
+              + ", ".join(f"{d:.1e}/{r:.1e}" for d, r in errors), flush=True)
 
 
 def _compare_with_shared_experts(args, tokens_list: List[int], layer, triton_moe, routed_buf, ceilings: Ceilings,
