@@ -170,16 +170,12 @@ def main(argv: Optional[Sequence[str]] = None):
           f"calc_diff and worst-token rel. error: megamoe-ref, vllm-ref, megamoe-vllm")
     for n in tokens_list:
         hidden, idx, weights = _inputs(n, h, num_experts, topk, gen)
-        y = torch.full((n, h), float("nan"), dtype=torch.bfloat16, device="cuda")
-
-        def megamoe():
-            mm.stage_inputs(buf, hidden, idx, weights)
-            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf)
+        megamoe = _megamoe_call(buf, layer.l1, layer.l2, hidden, idx, weights)
 
         def vllm():
             return triton_moe(hidden, idx, weights)
 
-        megamoe()
+        y = megamoe()
         y_vllm = vllm()
         ref = _reference(hidden, idx, weights, layer.checkpoint, num_experts)
         errors = [(calc_diff(a, b), token_rel_errors(a, b).max().item()) for a, b in ((y, ref), (y_vllm, ref), (y, y_vllm))]
@@ -208,18 +204,8 @@ def _compare_mxfp4(args, tokens_list: List[int], buf, ceilings: Ceilings, flush,
           f"{'fp8/mxfp4':>9s} {'marlin/mxfp4':>12s} | calc_diff and worst-token rel. error vs ref: mxfp4, fp8, marlin")
     for n in tokens_list:
         hidden, idx, weights = _inputs(n, h, num_experts, topk, gen)
-        y = torch.full((n, h), float("nan"), dtype=torch.bfloat16, device="cuda")
-        y_fp8 = torch.full((n, h), float("nan"), dtype=torch.bfloat16, device="cuda")
-
-        def mxfp4():
-            mm.stage_inputs(buf, hidden, idx, weights)
-            mm.fp8_mega_moe(y, layer.l1, layer.l2, buf, numerics="fast")
-            return y
-
-        def fp8():
-            mm.stage_inputs(buf, hidden, idx, weights)
-            mm.fp8_mega_moe(y_fp8, fp8_l1, fp8_l2, buf, numerics="fast")
-            return y_fp8
+        mxfp4 = _megamoe_call(buf, layer.l1, layer.l2, hidden, idx, weights, numerics="fast")
+        fp8 = _megamoe_call(buf, fp8_l1, fp8_l2, hidden, idx, weights, numerics="fast")
 
         def vllm():
             return marlin(hidden, idx, weights)
@@ -252,13 +238,8 @@ def _compare_with_shared_experts(args, tokens_list: List[int], layer, triton_moe
     print(shared_header())
     for n in tokens_list:
         hidden, idx, weights = _inputs(n, h, num_experts, topk, gen)
-        y_routed = torch.full((n, h), float("nan"), dtype=torch.bfloat16, device="cuda")
-        y_fused = torch.full((n, h), float("nan"), dtype=torch.bfloat16, device="cuda")
-
-        def megamoe_routed():
-            mm.stage_inputs(routed_buf, hidden, idx, weights)
-            mm.fp8_mega_moe(y_routed, layer.l1, layer.l2, routed_buf)
-            return y_routed
+        megamoe_routed = _megamoe_call(routed_buf, layer.l1, layer.l2, hidden, idx, weights)
+        fused = _megamoe_call(fused_buf, fused_l1, fused_l2, hidden, idx, weights, shared_scale=1.0)
 
         def shared_part():
             return shared_mlp(hidden)
@@ -271,11 +252,6 @@ def _compare_with_shared_experts(args, tokens_list: List[int], layer, triton_moe
             routed, shared_out = after_kernel.run(megamoe_routed, shared_part, on_cuda=True)
             return routed + shared_out
 
-        def fused():
-            mm.stage_inputs(fused_buf, hidden, idx, weights, shared_scale=1.0)
-            mm.fp8_mega_moe(y_fused, fused_l1, fused_l2, fused_buf)
-            return y_fused
-
         variants = {"fused": fused, "mm+aux": mm_aux, "vllm": vllm}
         outputs = {name: variants[name]() for name in SHARED_VARIANTS}
         floor = staged_floor(fused_buf, n, ceilings)  # fused() staged this n last
@@ -284,6 +260,21 @@ def _compare_with_shared_experts(args, tokens_list: List[int], layer, triton_moe
                   for name in SHARED_VARIANTS]
         seconds = {name: median_call_seconds(graphed(variants[name]), args.iters, flush) for name in SHARED_VARIANTS}
         print(shared_row(n, seconds, floor, errors), flush=True)
+
+
+def _megamoe_call(buf, l1, l2, hidden, idx, weights, numerics: Optional[str] = None,
+                  shared_scale: Optional[float] = None) -> Callable[[], torch.Tensor]:
+    """stage_inputs + fp8_mega_moe on these inputs into an output first filled with NaN, as one
+    callable to capture: it returns the output. numerics None: fp8_mega_moe's default."""
+    y = torch.full((hidden.shape[0], hidden.shape[1]), float("nan"), dtype=torch.bfloat16, device=hidden.device)
+    stage_kwargs = {} if shared_scale is None else {"shared_scale": shared_scale}
+
+    def run():
+        mm.stage_inputs(buf, hidden, idx, weights, **stage_kwargs)
+        mm.fp8_mega_moe(y, l1, l2, buf, numerics=numerics)
+        return y
+
+    return run
 
 
 def _inputs(n: int, hidden_size: int, num_experts: int, topk: int, gen):
