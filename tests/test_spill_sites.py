@@ -12,7 +12,9 @@ _spec.loader.exec_module(spill_sites_tool)
 
 # Two functions. In the first: a tile loop (.L_x_1) around a k-block loop (.L_x_2) holding the GMMA,
 # a spill before the tile loop, one in the tile loop outside the k-block loop, one in the k-block loop
-# and one after it; a forward branch (.L_x_9) is no loop. The second has a loop with no GMMA.
+# and one after it; a forward branch (.L_x_9) is no loop, nor is the out-of-line stub after EXIT
+# (.L_x_7, entered by BRA.DIV) that branches back to the GMMA (.L_x_8): read as a loop, it would hold
+# the spill after the k-block loop. The second function has a loop with no GMMA.
 SASS = """
 //--------------------- .text.megamoe_fused_kernel --------------------------
 .text.megamoe_fused_kernel:
@@ -20,6 +22,8 @@ SASS = """
 .L_x_1:
         /*0010*/                   LDL R0, [R1] ;
 .L_x_2:
+        /*0018*/                   BRA.DIV UR4, `(.L_x_7) ;
+.L_x_8:
         /*0020*/                   HGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24 ;
         /*0030*/                   STL.64 [R1+0x8], R4 ;
         /*0040*/              @!P0 BRA `(.L_x_2) ;
@@ -28,6 +32,9 @@ SASS = """
         /*0070*/                   BRA `(.L_x_1) ;
 .L_x_9:
         /*0080*/                   EXIT ;
+.L_x_7:
+        /*0090*/                   VOTE.ALL P0, P0 ;
+        /*00a0*/                   BRA `(.L_x_8) ;
 //--------------------- .text.megamoe_window_kernel --------------------------
 .text.megamoe_window_kernel:
 .L_x_3:

@@ -3,7 +3,9 @@ nvdisasm's text of the cubin, and whether it sits inside a WGMMA main loop, wher
 k-block, or outside one, where it costs once per tile or per call.
 
 A loop runs from a backward branch's target to the branch. A main loop is a loop that holds a WGMMA
-(SASS GMMA) and no inner loop that holds one: the k-block loop.
+(SASS GMMA) and no inner loop that holds one: the k-block loop. Backward branches after a function's
+last EXIT are no loops: nvcc places out-of-line code there (a warp-collective's divergent path,
+entered by BRA.DIV), which branches back into the body where it left it.
 
 The compile check (megamoe_plugin.jit.check) passes a variant whose spills all lie outside the main
 loops; tools/spill_sites.py prints the sites.
@@ -22,6 +24,7 @@ FUNCTION = re.compile(r"^\s*\.text\.(\S+):")
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 BRANCH = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
 SPILL = re.compile(r"\b(STL|LDL)(\.[A-Z0-9.]+)?\s")
+EXIT = re.compile(r"\bEXIT\b")
 
 
 @dataclasses.dataclass
@@ -44,7 +47,8 @@ def spill_sites(sass: str) -> List[SpillSite]:
             functions[-1][1].append(line)
     for name, lines in functions:
         labels = {m.group(1): i for i, line in enumerate(lines) if (m := LABEL.match(line))}
-        loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+        body_end = max((i for i, line in enumerate(lines) if EXIT.search(line)), default=len(lines))
+        loops = [(labels[m.group(1)], i) for i, line in enumerate(lines[:body_end])
                  if (m := BRANCH.search(line)) and labels.get(m.group(1), i) < i]
         gmma = [i for i, line in enumerate(lines) if "GMMA" in line]
 
