@@ -2,7 +2,9 @@
 the shape as the other CLIs do, and without an SM90 GPU it stops with one line on stderr, not a
 traceback. With --shared-experts (what runs on the CPU): the option (a negative count refused), the
 floor counting the shared experts, their one MLP of S*I computing what the S experts sum to, the
-torch shared MLP against the reference, and the table's row."""
+torch shared MLP against the reference, and the table's row; --weights mxfp4 refused with shared
+experts; each megamoe path's captured call (what it stages and passes to the kernel, its own output
+filled with NaN first)."""
 import math
 import os
 import subprocess
@@ -154,3 +156,27 @@ def test_the_shared_expert_row_gives_each_variants_time_and_the_ratios_to_fused(
         "fused/floor": "2.00", "vllm/fused": "2.30", "mm+aux/fused": "1.50"}
     assert header.endswith("fused, mm+aux, vllm") and vs_vllm.SHARED_VARIANTS == ("fused", "mm+aux", "vllm")
     assert accuracy == "1.0e-05/1.0e-02, 2.0e-05/2.0e-02, 3.0e-05/3.0e-02"
+
+
+def test_each_megamoe_path_stages_its_inputs_then_calls_the_kernel_into_its_own_nan_output(monkeypatch):
+    calls = []
+
+    def stage_inputs(buf, hidden, idx, weights, **kwargs):
+        calls.append(("stage", buf, hidden, idx, weights, kwargs))
+
+    def fp8_mega_moe(y, l1, l2, buf, numerics=None):
+        calls.append(("kernel", y.isnan().all().item(), l1, l2, buf, numerics))
+        y.fill_(1.0)
+
+    monkeypatch.setattr(mm, "stage_inputs", stage_inputs)
+    monkeypatch.setattr(mm, "fp8_mega_moe", fp8_mega_moe)
+    hidden, idx, weights = torch.zeros(3, 256, dtype=torch.bfloat16), torch.zeros(3, 2), torch.ones(3, 2)
+    fused = vs_vllm._megamoe_call("buf", "l1", "l2", hidden, idx, weights, numerics="fast", shared_scale=1.0)
+    routed = vs_vllm._megamoe_call("buf2", "m1", "m2", hidden, idx, weights)
+    y = fused()
+    assert y.shape == (3, 256) and y.dtype == torch.bfloat16 and bool((y == 1).all())
+    assert routed() is not y
+    (_, buf, h, i, w, kwargs), (_, was_nan, l1, l2, kbuf, numerics) = calls[:2]
+    assert (buf, kbuf, l1, l2, numerics, kwargs, was_nan) == ("buf", "buf", "l1", "l2", "fast", {"shared_scale": 1.0}, True)
+    assert h is hidden and i is idx and w is weights
+    assert calls[2][5] == {} and calls[3][1:] == (True, "m1", "m2", "buf2", None)
