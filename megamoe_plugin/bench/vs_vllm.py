@@ -27,7 +27,8 @@ with the shared experts.
 With --weights mxfp4, MXFP4 experts (E2M1 codes, an E8M0 scale per 32 inputs) timed three ways,
 each one CUDA graph:
   mxfp4   megamoe reading them at 4 bits (fast numerics)
-  fp8     megamoe on the same weights as block FP8 (mxfp4.to_fp8_blocks): twice the bytes
+  fp8     megamoe on the same weights as block FP8 (mxfp4.to_fp8_blocks, rounded where a block
+          cannot hold them exactly): twice the bytes
   marlin  vLLM's Marlin MoE on them (W4A16: the path vLLM takes for MXFP4 experts on Hopper),
           repacked for it once (bench/baselines.py vllm_marlin_mxfp4_moe)
 The floor is MXFP4's (half a byte per weight, scales included).
@@ -83,8 +84,8 @@ def parser() -> argparse.ArgumentParser:
                         "call (default: %(default)s, the routed layer alone)")
     p.add_argument("--weights", choices=("fp8", "mxfp4"), default="fp8",
                    help="the experts' format: fp8 (block FP8; vLLM's Triton fused MoE) or mxfp4 (read at 4 bits in "
-                        "fast numerics; vLLM's Marlin MoE, and megamoe on the same weights as exact FP8 blocks) "
-                        "(default: %(default)s)")
+                        "fast numerics; vLLM's Marlin MoE, and megamoe on the same weights as FP8 blocks, rounded "
+                        "where a block cannot hold them exactly) (default: %(default)s)")
     p.add_argument("--iters", type=int, default=50, help="timed graph replays per point; the median is "
                                                          "reported (default: %(default)s)")
     return p
