@@ -47,7 +47,7 @@ times here, in checkpoint layout and in the kernel's without and with the shared
 import argparse
 import importlib.util
 import sys
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -134,13 +134,23 @@ def shared_header() -> str:
             f"calc_diff and worst-token rel. error vs ref: {', '.join(SHARED_VARIANTS)}")
 
 
+def accuracy(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> List[Tuple[float, float]]:
+    """(calc_diff, worst-token relative error) of each (output, reference) pair."""
+    return [(calc_diff(out, ref), token_rel_errors(out, ref).max().item()) for out, ref in pairs]
+
+
+def accuracy_text(errors: Sequence[Tuple[float, float]]) -> str:
+    """The table's accuracy column: calc_diff/worst-token per pair, comma-separated."""
+    return ", ".join(f"{d:.1e}/{r:.1e}" for d, r in errors)
+
+
 def shared_row(n: int, seconds: Dict[str, float], floor: float, errors: Sequence[Tuple[float, float]]) -> str:
     """One token count's line: each SHARED_VARIANTS' time (seconds[name]), the floor, the ratios,
     and (calc_diff, worst-token relative error) against the reference per variant in that order."""
     fused = seconds["fused"]
     return (f"{n:6d} | {fused * 1e6:8.1f} {seconds['mm+aux'] * 1e6:9.1f} {seconds['vllm'] * 1e6:8.1f} "
             f"{floor * 1e6:8.1f} {fused / floor:11.2f} {seconds['vllm'] / fused:10.2f} "
-            f"{seconds['mm+aux'] / fused:12.2f} | " + ", ".join(f"{d:.1e}/{r:.1e}" for d, r in errors))
+            f"{seconds['mm+aux'] / fused:12.2f} | " + accuracy_text(errors))
 
 
 def main(argv: Optional[Sequence[str]] = None):
@@ -179,13 +189,13 @@ def main(argv: Optional[Sequence[str]] = None):
         y = megamoe()
         y_vllm = vllm()
         ref = _reference(hidden, idx, weights, layer.checkpoint, num_experts)
-        errors = [(calc_diff(a, b), token_rel_errors(a, b).max().item()) for a, b in ((y, ref), (y_vllm, ref), (y, y_vllm))]
+        errors = accuracy(((y, ref), (y_vllm, ref), (y, y_vllm)))
 
         t_mm = median_call_seconds(graphed(megamoe), args.iters, flush)
         t_vllm = median_call_seconds(graphed(vllm), args.iters, flush)
         floor = staged_floor(buf, n, ceilings)
         print(f"{n:6d} | {t_mm * 1e6:10.1f} {t_vllm * 1e6:8.1f} {floor * 1e6:8.1f} {t_mm / floor:8.2f} "
-              f"{t_vllm / t_mm:7.2f} | " + ", ".join(f"{d:.1e}/{r:.1e}" for d, r in errors), flush=True)
+              f"{t_vllm / t_mm:7.2f} | " + accuracy_text(errors), flush=True)
 
 
 def _compare_mxfp4(args, tokens_list: List[int], buf, ceilings: Ceilings, flush, gen) -> None:
@@ -214,12 +224,12 @@ def _compare_mxfp4(args, tokens_list: List[int], buf, ceilings: Ceilings, flush,
         paths = {"mxfp4": mxfp4, "fp8": fp8, "marlin": vllm}
         outputs = {name: fn() for name, fn in paths.items()}
         ref = _reference(hidden, idx, weights, c, num_experts)
-        errors = [(calc_diff(out, ref), token_rel_errors(out, ref).max().item()) for out in outputs.values()]
+        errors = accuracy((out, ref) for out in outputs.values())
         t = {name: median_call_seconds(graphed(fn), args.iters, flush) for name, fn in paths.items()}
         floor = staged_floor(buf, n, ceilings, "mxfp4")
         print(f"{n:6d} | {t['mxfp4'] * 1e6:8.1f} {t['fp8'] * 1e6:8.1f} {t['marlin'] * 1e6:9.1f} {floor * 1e6:8.1f} "
               f"{t['mxfp4'] / floor:11.2f} {t['fp8'] / t['mxfp4']:9.2f} {t['marlin'] / t['mxfp4']:12.2f} | "
-              + ", ".join(f"{d:.1e}/{r:.1e}" for d, r in errors), flush=True)
+              + accuracy_text(errors), flush=True)
 
 
 def _compare_with_shared_experts(args, tokens_list: List[int], layer, triton_moe, routed_buf, ceilings: Ceilings,
@@ -257,8 +267,7 @@ def _compare_with_shared_experts(args, tokens_list: List[int], layer, triton_moe
         outputs = {name: variants[name]() for name in SHARED_VARIANTS}
         floor = staged_floor(fused_buf, n, ceilings)  # fused() staged this n last
         ref = _reference(hidden, idx, weights, c, num_experts, shared)
-        errors = [(calc_diff(outputs[name], ref), token_rel_errors(outputs[name], ref).max().item())
-                  for name in SHARED_VARIANTS]
+        errors = accuracy((outputs[name], ref) for name in SHARED_VARIANTS)
         seconds = {name: median_call_seconds(graphed(variants[name]), args.iters, flush) for name in SHARED_VARIANTS}
         print(shared_row(n, seconds, floor, errors), flush=True)
 
