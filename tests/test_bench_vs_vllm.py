@@ -180,3 +180,24 @@ def test_each_megamoe_path_stages_its_inputs_then_calls_the_kernel_into_its_own_
     assert (buf, kbuf, l1, l2, numerics, kwargs, was_nan) == ("buf", "buf", "l1", "l2", "fast", {"shared_scale": 1.0}, True)
     assert h is hidden and i is idx and w is weights
     assert calls[2][5] == {} and calls[3][1:] == (True, "m1", "m2", "buf2", None)
+
+
+def test_accuracy_gives_calc_diff_and_the_worst_token_of_each_pair():
+    ref = torch.randn(4, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    out = ref.clone()
+    out[2] *= 1.25
+    errors = vs_vllm.accuracy([(out, ref), (ref, ref)])
+    assert errors[0] == (calc_diff(out, ref), token_rel_errors(out, ref).max().item())
+    assert errors[0][1] > 0.1 and errors[1][1] == 0.0
+    assert vs_vllm.accuracy_text(errors).endswith(", 0.0e+00/0.0e+00")
+
+
+def test_vllm_baselines_get_the_routing_as_vllm_gives_it():
+    from megamoe_plugin.bench.baselines import _with_vllm_topk_ids
+
+    seen = {}
+    run = _with_vllm_topk_ids(lambda hidden, **kwargs: seen.update(hidden=hidden, **kwargs) or "out")
+    hidden, idx, weights = torch.zeros(2, 8), torch.tensor([[0, 3], [1, -1]]), torch.ones(2, 2)
+    assert run(hidden, idx, weights) == "out"
+    assert seen["hidden"] is hidden and seen["topk_weights"] is weights
+    assert seen["topk_ids"].dtype == torch.int32 and seen["topk_ids"].tolist() == idx.tolist()

@@ -127,6 +127,15 @@ def find_scale_layout(checkpoint: Dict[str, torch.Tensor]) -> Tuple[Optional[Tup
     return None, problem
 
 
+def _with_vllm_topk_ids(moe: Callable) -> Callable:
+    """A vLLM MoE call taking (hidden_states, topk_weights=, topk_ids=) as the baselines are called:
+    (hidden_states, topk_idx, topk_weights), the ids cast to the int32 that vLLM's router gives."""
+    def run(hidden_states, topk_idx, topk_weights):
+        return moe(hidden_states, topk_weights=topk_weights, topk_ids=topk_idx.to(torch.int32))
+
+    return run
+
+
 def vllm_triton_moe(checkpoint: Dict[str, torch.Tensor]) -> Callable:
     """vLLM's fused_experts(hidden, topk_weights, topk_ids) with these checkpoint weights."""
     from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
@@ -134,12 +143,8 @@ def vllm_triton_moe(checkpoint: Dict[str, torch.Tensor]) -> Callable:
 
     quant = fp8_w8a8_moe_quant_config(w1_scale=checkpoint["w13_scale"], w2_scale=checkpoint["w2_scale"],
                                       block_shape=[BLOCK, BLOCK])
-    triton = functools.partial(fused_experts, w1=checkpoint["w13"], w2=checkpoint["w2"], quant_config=quant)
-
-    def run(hidden_states, topk_idx, topk_weights):
-        return triton(hidden_states, topk_weights=topk_weights, topk_ids=topk_idx.to(torch.int32))
-
-    return run
+    return _with_vllm_topk_ids(
+        functools.partial(fused_experts, w1=checkpoint["w13"], w2=checkpoint["w2"], quant_config=quant))
 
 
 def vllm_marlin_mxfp4_moe(checkpoint: Dict[str, torch.Tensor]) -> Callable:
@@ -155,14 +160,10 @@ def vllm_marlin_mxfp4_moe(checkpoint: Dict[str, torch.Tensor]) -> Callable:
     w13, w2, w13_scale, w2_scale, _, _ = prepare_moe_mxfp4_layer_for_marlin(
         SimpleNamespace(params_dtype=torch.bfloat16), checkpoint["w13"], checkpoint["w2"], checkpoint["w13_scale"],
         checkpoint["w2_scale"], None, None)
-    marlin = functools.partial(fused_marlin_moe, w1=w13, w2=w2, bias1=None, bias2=None, w1_scale=w13_scale,
-                               w2_scale=w2_scale, quant_type_id=scalar_types.float4_e2m1f.id,
-                               global_num_experts=w13.shape[0])
-
-    def run(hidden_states, topk_idx, topk_weights):
-        return marlin(hidden_states, topk_weights=topk_weights, topk_ids=topk_idx.to(torch.int32))
-
-    return run
+    return _with_vllm_topk_ids(
+        functools.partial(fused_marlin_moe, w1=w13, w2=w2, bias1=None, bias2=None, w1_scale=w13_scale,
+                          w2_scale=w2_scale, quant_type_id=scalar_types.float4_e2m1f.id,
+                          global_num_experts=w13.shape[0]))
 
 
 def make_baseline(which: str, checkpoint: Dict[str, torch.Tensor]) -> Tuple[Optional[Callable], str]:
