@@ -111,9 +111,9 @@ def runnable_block_m(block_m: int, fast_math: bool) -> int:
 # Opt-in dynamic shared memory per block on SM90 (227 KiB).
 SMEM_LIMIT = abi.kSmemLimit
 
-# Two stages are the least that overlap a TMA load with the MMA on the previous one; some variants need
-# more (min_pipeline_stages).
-MIN_STAGES = 2
+# The fewest stages any variant runs with (abi.h min_stages of an FP8 variant: two, the least that overlap
+# a TMA load with the MMA on the previous one); some variants need more (min_pipeline_stages).
+MIN_STAGES = abi.smem_plan(8, 0, 1, False, False)["min_stages"]
 # Beyond this many stages the loads already in flight cover the memory latency.
 MAX_STAGES = 8
 
