@@ -111,9 +111,6 @@ def runnable_block_m(block_m: int, fast_math: bool) -> int:
 # Opt-in dynamic shared memory per block on SM90 (227 KiB).
 SMEM_LIMIT = abi.kSmemLimit
 
-# The fewest stages any variant runs with (abi.h min_stages of an FP8 variant: two, the least that overlap
-# a TMA load with the MMA on the previous one); some variants need more (min_pipeline_stages).
-MIN_STAGES = abi.smem_plan(8, 0, 1, False, False)["min_stages"]
 # Beyond this many stages the loads already in flight cover the memory latency.
 MAX_STAGES = 8
 
@@ -187,6 +184,11 @@ def min_pipeline_stages(block_m: int, weights: str = "fp8") -> int:
     converts MXFP4 weights of the next k-block while it holds the current one and the one before."""
     _check_tier(block_m)
     return _smem_plan(block_m, 0, 1, DEFAULT_NUMERICS, weights)["min_stages"]
+
+
+# The fewest stages any variant runs with (two: the least that overlap a TMA load with the MMA on the
+# previous one); some variants need more.
+MIN_STAGES = min(min_pipeline_stages(block_m, weights) for block_m in IMPLEMENTED_BLOCK_M for weights in WEIGHT_FORMATS)
 
 
 def max_pipeline_stages(block_m: int, num_local_experts: int, smem_limit: int = SMEM_LIMIT,
