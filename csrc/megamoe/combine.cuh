@@ -115,7 +115,7 @@ __device__ void combine_tokens(const KernelParams& p, uint8_t* base) {
 // claims, the window count), so that a call leaves them as they are for the combine, with no barrier
 // after it. The last call has ended on this rank (the kernels run in stream order); peers add to
 // combine_arrived again only after this call's cross-rank barrier. CTA 0 records this call's tokens
-// once every CTA has read the last call's (after the grid barrier: set_tokens_to_clear).
+// once every CTA has read the last call's (after the cross-rank barrier: set_tokens_to_clear).
 template <class Cfg>
 __device__ void clear_last_call(const KernelParams& p, uint8_t* base, const uint32_t* signals) {
   int* l1_done = reinterpret_cast<int*>(base + p.off.l1_done);
@@ -134,7 +134,7 @@ __device__ void clear_last_call(const KernelParams& p, uint8_t* base, const uint
   }
 }
 
-// CTA 0, after the call's first grid barrier (every CTA has read the last call's count): the tokens
+// CTA 0, after the call's cross-rank barrier (every CTA has read the last call's count): the tokens
 // whose combine_arrived the next call zeroes.
 __device__ __forceinline__ void set_tokens_to_clear(const KernelParams& p, uint32_t* signals) {
   if (blockIdx.x == 0 && threadIdx.x == 0) signals[kSigTokensToClear] = p.num_tokens;

@@ -103,7 +103,8 @@ __device__ void dispatch_count(const KernelParams& p, uint8_t* base, int* local_
 // grid-stride share), then fills it through shared-memory cursors.
 // `scratch` is shared memory for kNumExperts + 32 ints besides `local_count`.
 template <class Cfg>
-__device__ void dispatch_list(const KernelParams& p, uint8_t* base, int* local_count, int* scratch, int half) {
+__device__ void dispatch_list(const KernelParams& p, uint8_t* base, int* local_count, int* scratch, int half,
+                              bool counts_in_cta) {
   const int64_t* topk_idx = reinterpret_cast<const int64_t*>(base + p.off.topk_idx);
   int* send_count = send_side<Cfg>(base, p.off.send_count, half);
   int* send_cursor = send_side<Cfg>(base, p.off.send_cursor, half);
@@ -111,7 +112,8 @@ __device__ void dispatch_list(const KernelParams& p, uint8_t* base, int* local_c
   int* send_list = reinterpret_cast<int*>(base + p.off.send_list);
 
   int* offsets = scratch;
-  for (int e = threadIdx.x; e < Cfg::kNumExperts; e += blockDim.x) offsets[e] = __ldcg(send_count + e);
+  for (int e = threadIdx.x; e < Cfg::kNumExperts; e += blockDim.x)
+    offsets[e] = counts_in_cta ? local_count[e] : __ldcg(send_count + e);
   __syncthreads();
   block_exclusive_scan<Cfg::kNumThreads>(offsets, Cfg::kNumExperts, scratch + Cfg::kNumExperts);
   if (blockIdx.x == 0)

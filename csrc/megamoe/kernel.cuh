@@ -7,7 +7,7 @@
 // the GEMM phases; config.cuh). All warps take part in dispatch, pull and combine.
 //
 // Phases of one call (every wait bounded, see sync.cuh):
-//   1 count     this rank's entries per expert                       -> grid_sync
+//   1 count     this rank's entries per expert                       -> grid_sync (none where CTA 0 holds them all)
 //   2 list      send list grouped by expert                          -> rank_sync
 //   3 layout    read peers' counts for local experts, pool layout (per CTA, smem)
 //   4 pull      copy routed tokens from their ranks into the L1 pool -> rows_arrived[m-block]
@@ -366,12 +366,16 @@ __device__ __forceinline__ void mega_moe(const KernelParams& p) {
   // 1-2: send side, after zeroing what the last call left counting.
   clear_last_call<Cfg>(p, base, signals);
   __syncthreads();  // every thread reads thread 0's rank round from here on (send_half)
-  dispatch_count<Cfg>(p, base, cta.scratch, cta.send_half());
-  grid_sync(p, signals);
-  set_tokens_to_clear(p, signals);
-  dispatch_list<Cfg>(p, base, cta.scratch, cta.scratch + Cfg::kNumExperts, cta.send_half());
-  __threadfence_system();
+  // Entries that fit one CTA's threads are all in CTA 0's share of the count (its grid stride), so
+  // CTA 0 counts and lists them alone, from its own counts, with no grid barrier between (decode).
+  const bool one_cta = p.num_tokens * Cfg::kTopk <= Cfg::kNumThreads;
+  if (!one_cta || blockIdx.x == 0) {
+    dispatch_count<Cfg>(p, base, cta.scratch, cta.send_half());
+    if (!one_cta) grid_sync(p, signals);
+    dispatch_list<Cfg>(p, base, cta.scratch, cta.scratch + Cfg::kNumExperts, cta.send_half(), one_cta);
+  }
   rank_sync<Cfg::kNumRanks>(p, signals, *cta.rounds_at_start + 1);
+  set_tokens_to_clear(p, signals);
   clear_other_send_half<Cfg>(p, base, cta.send_half());
   if (p.stop_after_phase == 2) return;
 

@@ -186,14 +186,16 @@ __device__ __forceinline__ unsigned long long* rank_arrival_slot(uint32_t* signa
 // stops with kErrCallMismatch naming the other, and none passes the barrier. A later call in a
 // slot is a peer that passed this barrier, so it had found this rank's tag equal to its own.
 // A timeout names the first rank, waiting from this one in rank order, whose slot stayed behind.
-// Memory written before it (local or to peers) is visible to every rank after it.
-// Writers to peer memory must have issued __threadfence_system() before arriving.
+// Memory written before it (local or to peers) is visible to every rank after it: each CTA's thread 0
+// fences at system scope after the CTA barrier, before arriving, which orders every thread's writes
+// that the barrier ordered before it (a fence is cumulative), so the writers need no fence of their own.
 // `call` numbers this rank's calls on the buffer since it was made (mod 2^32): every CTA reads the
 // count at kernel start (rank_rounds_done) and passes done + 1; CTA 0 advances the stored count.
 template <int kNumRanks>
 __device__ __forceinline__ void rank_sync(const KernelParams& p, uint32_t* signals, uint32_t call) {
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence_system();
     if (arrive_grid(signals + kSigGridArrivals)) {
       __threadfence_system();
       const unsigned long long arrival = static_cast<unsigned long long>(p.call_tag) << 32 | call;

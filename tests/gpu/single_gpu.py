@@ -8,6 +8,7 @@ import math
 import torch
 
 import megamoe_plugin as mm
+from megamoe_plugin.kernel_variant import NUM_THREADS
 from megamoe_plugin.testing import check_outputs, fill_buffer, random_inputs, random_layer
 
 
@@ -55,6 +56,9 @@ def check_call_sequence(s, layer, buf, seeds: SeedStream, numerics, label=""):
         (s.max_tokens, "one_expert", None, False),
         (max(1, s.max_tokens - 3), "half_empty", 2.0, False),
         (s.max_tokens, "masked", None, True),
+        # The most tokens whose entries CTA 0 counts alone, one per thread (kernel.cuh mega_moe), and one more.
+        (min(s.max_tokens, NUM_THREADS // s.topk), "uniform", None, True),
+        (min(s.max_tokens, NUM_THREADS // s.topk + 1), "uniform", None, True),
     ]
     for n, routing, clamp, fast_math in plan:
         inputs = random_inputs(n, s.hidden, s.local_experts, s.topk, routing, "cuda", seeds.next_generator())
