@@ -101,7 +101,9 @@ __device__ void dispatch_count(const KernelParams& p, uint8_t* base, int* local_
 // Send side, step 2: list entries (token * K + slot) grouped by expert. Each CTA
 // reserves one range per expert for the entries it counted in step 1 (the same
 // grid-stride share), then fills it through shared-memory cursors.
-// `scratch` is shared memory for kNumExperts + 32 ints besides `local_count`.
+// `scratch` is shared memory for kNumExperts + 32 ints besides `local_count`. `counts_in_cta`: this
+// CTA alone counted every entry (kernel.cuh mega_moe), so its `local_count` is the rank's count and
+// the list takes its offsets from it instead of reading `send_count` back.
 template <class Cfg>
 __device__ void dispatch_list(const KernelParams& p, uint8_t* base, int* local_count, int* scratch, int half,
                               bool counts_in_cta) {
