@@ -201,7 +201,7 @@ def test_torch_baseline_matches_the_reference():
     baseline, name = make_baseline("torch", layer.checkpoint)
     assert isinstance(baseline, UnfusedTorchMoE)
     assert name == "unfused torch (BF16 matmuls of dequantized weights (torch._scaled_mm: needs a CUDA device))"
-    y = baseline(hidden_states, idx, weights)
+    y = baseline(hidden_states, idx.int(), weights)  # the ids as vLLM's router gives them (bench/baselines.py)
     x, x_sf = quantize_per_token_group(hidden_states)
     (ref,) = mega_moe([dict(x=x, x_sf=x_sf, topk_idx=idx, topk_weights=weights)], [layer.checkpoint], num_experts)
     assert y.dtype == torch.bfloat16 and y.shape == ref.shape
@@ -212,7 +212,7 @@ def test_torch_baseline_matches_the_reference():
     assert calc_diff(y, ref) < 5e-4
     assert token_rel_errors(y, ref)[1:].max().item() < 0.1
     # and it is not trivially close: a wrong routing weight shows
-    assert calc_diff(baseline(hidden_states, idx, weights * 1.5), ref) > 1e-2
+    assert calc_diff(baseline(hidden_states, idx.int(), weights * 1.5), ref) > 1e-2
 
 
 def test_no_baseline():

@@ -10,7 +10,8 @@ unfused torch path over the same checkpoint-layout weights:
 Its GEMMs are torch._scaled_mm with 1x128 activation and 128x128 weight block scales
 where this torch and GPU run them (checked against the dequantized product at set-up),
 else BF16 matmuls of the weights dequantized once. Every baseline takes (hidden_states
-bf16 [n, H], topk_idx int64 [n, K], topk_weights float32 [n, K]) and returns bf16 [n, H].
+bf16 [n, H], topk_ids int32 [n, K], topk_weights float32 [n, K]) and returns bf16 [n, H]: the ids
+as vLLM's router gives them, so the caller casts its routing once, outside the timed call.
 
 A shared-expert model's shared experts, the way vLLM runs them beside its MoE: one MLP of
 intermediate size S*I for the model's S shared experts of I (merge_shared_experts), through
@@ -66,12 +67,12 @@ class UnfusedTorchMoE:
         a = dequantize_per_token_group(a, a_sf).to(torch.bfloat16)
         return (a @ self._dequantized[name][expert].T).float()
 
-    def __call__(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    def __call__(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                  ) -> torch.Tensor:
-        num_tokens, topk = topk_idx.shape
+        num_tokens, topk = topk_ids.shape
         x, x_sf = quantize_per_token_group(hidden_states)
         y = torch.zeros(num_tokens, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device)
-        slots = topk_idx.reshape(-1)
+        slots = topk_ids.reshape(-1)
         by_expert = torch.argsort(slots, stable=True)
         counts = torch.bincount(slots + 1, minlength=self.num_experts + 1).tolist()  # slot -1 first
         weights = topk_weights.reshape(-1)
@@ -129,9 +130,12 @@ def find_scale_layout(checkpoint: Dict[str, torch.Tensor]) -> Tuple[Optional[Tup
 
 def _with_vllm_topk_ids(moe: Callable) -> Callable:
     """A vLLM MoE call taking (hidden_states, topk_weights=, topk_ids=) as the baselines are called:
-    (hidden_states, topk_idx, topk_weights), the ids cast to the int32 that vLLM's router gives."""
-    def run(hidden_states, topk_idx, topk_weights):
-        return moe(hidden_states, topk_weights=topk_weights, topk_ids=topk_idx.to(torch.int32))
+    (hidden_states, topk_ids, topk_weights). Ids of another dtype are refused rather than cast, since
+    a cast would be timed with the baseline."""
+    def run(hidden_states, topk_ids, topk_weights):
+        if topk_ids.dtype != torch.int32:
+            raise TypeError(f"topk_ids must be int32, as vLLM's router gives them; got {topk_ids.dtype}")
+        return moe(hidden_states, topk_weights=topk_weights, topk_ids=topk_ids)
 
     return run
 

@@ -191,7 +191,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             ops.warmup(timer.buf, timer.layer.l1, timer.layer.l2, tokens_list, args.fast_math, numerics)
         for n in tokens_list:
             inputs = timer.inputs(n)
-            t_base = timer.median(functools.partial(baseline, inputs["hidden_states"], inputs["topk_idx"],
+            t_base = timer.median(functools.partial(baseline, inputs["hidden_states"], inputs["topk_idx"].int(),
                                                     inputs["topk_weights"])) if baseline is not None else None
             for numerics in numerics_modes:
                 p = timer.point(inputs, numerics, t_base)

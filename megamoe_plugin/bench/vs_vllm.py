@@ -288,9 +288,10 @@ def _megamoe_call(buf, l1, l2, hidden, idx, weights, numerics: Optional[str] = N
 
 
 def _inputs(n: int, hidden_size: int, num_experts: int, topk: int, gen):
-    """(BF16 hidden states [n, H], routing [n, K], softmax routing weights [n, K]) on the GPU."""
+    """(BF16 hidden states [n, H], routing int32 [n, K], softmax routing weights [n, K]) on the GPU:
+    the routing as vLLM's router gives it to either path, so neither times a cast."""
     hidden = torch.randn(n, hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
-    idx = random_routing(n, num_experts, topk, "uniform", "cuda", gen)
+    idx = random_routing(n, num_experts, topk, "uniform", "cuda", gen).int()
     weights = torch.softmax(torch.randn(n, topk, generator=gen, device="cuda"), dim=-1)
     return hidden, idx, weights
 
@@ -298,7 +299,7 @@ def _inputs(n: int, hidden_size: int, num_experts: int, topk: int, gen):
 def _reference(hidden, idx, weights, checkpoint, num_experts: int, shared=None) -> torch.Tensor:
     """The float32 reference's output for these inputs (with the shared experts at scale 1, if any)."""
     x, x_sf = quantize_per_token_group(hidden)
-    return mega_moe([dict(x=x, x_sf=x_sf, topk_idx=idx, topk_weights=weights)], [checkpoint], num_experts,
+    return mega_moe([dict(x=x, x_sf=x_sf, topk_idx=idx.long(), topk_weights=weights)], [checkpoint], num_experts,
                     shared=shared)[0]
 
 
