@@ -193,10 +193,10 @@ def test_accuracy_gives_calc_diff_and_the_worst_token_of_each_pair():
 
 
 def test_vllm_baselines_get_the_routing_as_vllm_gives_it():
-    from megamoe_plugin.bench.baselines import _with_vllm_topk_ids
+    from megamoe_plugin.bench.baselines import _vllm_moe_as_baseline
 
     seen = {}
-    run = _with_vllm_topk_ids(lambda hidden, **kwargs: seen.update(hidden=hidden, **kwargs) or "out")
+    run = _vllm_moe_as_baseline(lambda hidden, **kwargs: seen.update(hidden=hidden, **kwargs) or "out")
     hidden, ids, weights = torch.zeros(2, 8), torch.tensor([[0, 3], [1, -1]], dtype=torch.int32), torch.ones(2, 2)
     assert run(hidden, ids, weights) == "out"
     # passed through as they are: a cast would be one more kernel in the baseline's timed call

@@ -128,7 +128,7 @@ def find_scale_layout(checkpoint: Dict[str, torch.Tensor]) -> Tuple[Optional[Tup
     return None, problem
 
 
-def _with_vllm_topk_ids(moe: Callable) -> Callable:
+def _vllm_moe_as_baseline(moe: Callable) -> Callable:
     """A vLLM MoE call taking (hidden_states, topk_weights=, topk_ids=) as the baselines are called:
     (hidden_states, topk_ids, topk_weights). Ids of another dtype are refused rather than cast, since
     a cast would be timed with the baseline."""
@@ -147,7 +147,7 @@ def vllm_triton_moe(checkpoint: Dict[str, torch.Tensor]) -> Callable:
 
     quant = fp8_w8a8_moe_quant_config(w1_scale=checkpoint["w13_scale"], w2_scale=checkpoint["w2_scale"],
                                       block_shape=[BLOCK, BLOCK])
-    return _with_vllm_topk_ids(
+    return _vllm_moe_as_baseline(
         functools.partial(fused_experts, w1=checkpoint["w13"], w2=checkpoint["w2"], quant_config=quant))
 
 
@@ -164,7 +164,7 @@ def vllm_marlin_mxfp4_moe(checkpoint: Dict[str, torch.Tensor]) -> Callable:
     w13, w2, w13_scale, w2_scale, _, _ = prepare_moe_mxfp4_layer_for_marlin(
         SimpleNamespace(params_dtype=torch.bfloat16), checkpoint["w13"], checkpoint["w2"], checkpoint["w13_scale"],
         checkpoint["w2_scale"], None, None)
-    return _with_vllm_topk_ids(
+    return _vllm_moe_as_baseline(
         functools.partial(fused_marlin_moe, w1=w13, w2=w2, bias1=None, bias2=None, w1_scale=w13_scale,
                           w2_scale=w2_scale, quant_type_id=scalar_types.float4_e2m1f.id,
                           global_num_experts=w13.shape[0]))
